@@ -1,0 +1,76 @@
+"""The ops the graph calls. Each backend implements all of them; the graph never
+branches on device or quantization type.
+
+Arrays are the backend's own (numpy.ndarray on the CPU, cupy.ndarray on CUDA).
+Activations are float32 at this interface; a backend may keep other precisions
+internally. Shapes use T = tokens in this call, d = d_model, hd = head_dim.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from ..config import ModelConfig
+
+
+class Backend(ABC):
+    name: str = "?"
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    # --- weights and state -------------------------------------------------
+    @abstractmethod
+    def load_weight(self, name: str, info, raw: np.ndarray) -> Any:
+        """Register one GGUF tensor. raw: uint8 (rows, row_bytes) host view of the
+        file bytes (info: minfer.gguf.TensorInfo). Returns the handle the graph
+        passes back to the ops below (for 1-D tensors: a float32 vector)."""
+
+    @abstractmethod
+    def new_cache(self, max_tokens: int) -> Any:
+        """KV cache for max_tokens positions; has attribute n_ctx = max_tokens."""
+
+    # --- ops ----------------------------------------------------------------
+    @abstractmethod
+    def embed(self, table, tokens: np.ndarray) -> Any:
+        """table (vocab, d) handle, tokens int32 (T,) host -> x (T, d)"""
+
+    @abstractmethod
+    def rmsnorm(self, x, w, eps: float) -> Any:
+        """x (T, d), w (d,) -> x / rms(x) * w  (T, d)"""
+
+    @abstractmethod
+    def linear(self, x, w, bias=None) -> Any:
+        """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> (T, n_out)"""
+
+    @abstractmethod
+    def rope(self, x, pos0: int) -> Any:
+        """x (T, n_heads, hd) at positions pos0..pos0+T-1 -> rotated (T, n_heads, hd);
+        NeoX (halves) or normal (adjacent pairs) per cfg.rope_neox, base cfg.rope_base."""
+
+    @abstractmethod
+    def attention(self, q, k, v, cache, layer: int, pos0: int) -> Any:
+        """q (T, n_head, hd), k/v (T, n_head_kv, hd): stores k/v in cache[layer] at
+        pos0..pos0+T-1, then causal GQA softmax(q k^T / sqrt(hd)) v over positions
+        0..pos0+t for query t -> (T, n_head*hd)"""
+
+    @abstractmethod
+    def swiglu(self, gate, up) -> Any:
+        """gate, up (T, d_ff) -> silu(gate) * up (T, d_ff)"""
+
+    @abstractmethod
+    def add(self, a, b) -> Any:
+        """a + b, same shape (residual add)"""
+
+    @abstractmethod
+    def rows(self, x, start: int, stop: int) -> Any:
+        """x[start:stop] (positions kept for the LM head)"""
+
+    @abstractmethod
+    def to_numpy(self, x) -> np.ndarray:
+        """-> float32 host array"""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (timing); nothing to do on the CPU."""

@@ -1,0 +1,55 @@
+"""The decoder-only transformer (qwen2 / llama), written against backend ops.
+
+Reads like the math; never branches on device or quantization type.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import MinferError
+from .weights import Weights
+
+
+class Transformer:
+    def __init__(self, cfg: ModelConfig, backend, weights: Weights):
+        self.cfg, self.be, self.w = cfg, backend, weights
+
+    def forward(self, tokens: np.ndarray, pos0: int, cache, logits_from: int | None = None) -> np.ndarray:
+        """tokens int32 (T,) at positions pos0.. -> logits float32 (T - logits_from, vocab).
+
+        logits_from=None computes the LM head for the last position only (prefill);
+        0 gives every position (perplexity, teacher forcing).
+        """
+        cfg, be, w = self.cfg, self.be, self.w
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        T = int(tokens.shape[0])
+        if T == 0:
+            raise MinferError("empty prompt: nothing to evaluate")
+        if pos0 + T > cache.n_ctx:
+            raise MinferError(f"{pos0 + T} tokens do not fit the context of {cache.n_ctx}; "
+                              f"shorten the prompt or raise the context size")
+        hd = cfg.head_dim
+        x = be.embed(w.token_embd, tokens)                                   # (T, d)
+        for i, L in enumerate(w.layers):
+            h = be.rmsnorm(x, L.attn_norm, cfg.rms_eps)                      # (T, d)
+            q = be.linear(h, L.attn_q, L.attn_q_bias).reshape(T, cfg.n_head, hd)
+            k = be.linear(h, L.attn_k, L.attn_k_bias).reshape(T, cfg.n_head_kv, hd)
+            v = be.linear(h, L.attn_v, L.attn_v_bias).reshape(T, cfg.n_head_kv, hd)
+            q, k = be.rope(q, pos0), be.rope(k, pos0)
+            a = be.attention(q, k, v, cache, i, pos0)                        # (T, n_head*hd)
+            x = be.add(x, be.linear(a, L.attn_output))
+            h = be.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
+            f = be.swiglu(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up))  # (T, d_ff)
+            x = be.add(x, be.linear(f, L.ffn_down))
+        x = be.rows(x, T - 1 if logits_from is None else logits_from, T)
+        x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
+        return be.to_numpy(be.linear(x, w.output))                           # (n, vocab)
+
+    def prefill(self, tokens, cache) -> np.ndarray:
+        """Fill the cache from position 0; logits of the last position (vocab,)."""
+        return self.forward(tokens, 0, cache)[-1]
+
+    def decode(self, token: int, pos: int, cache) -> np.ndarray:
+        """One token at position pos -> logits (vocab,)."""
+        return self.forward(np.array([token], dtype=np.int32), pos, cache)[-1]
