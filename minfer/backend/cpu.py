@@ -1,0 +1,163 @@
+"""The CPU reference backend: dequantize to float32 once, then plain NumPy math.
+
+Written for clarity: it is what the CUDA backend is judged against. Every op is
+vectorized over tokens (BLAS for the matmuls); the only Python loops are over
+KV-head groups in attention.
+
+Memory: every quantized 2-D weight is dequantized to float32 at load, except
+the token embedding, which stays quantized and is dequantized row by row in
+`embed` (151,936 x 1,536 f32 would be 0.9 GB for a lookup of T rows). If the
+embedding is also the LM head (tied output), its dense float32 copy is made
+lazily, once, on the first `linear` call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from .. import quants
+from ..config import ModelConfig
+from ..errors import MinferError
+from .base import Backend
+
+
+class QuantTable:
+    """A 2-D tensor kept as its GGUF bytes; rows dequantized on demand."""
+
+    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
+        self.raw = raw                     # uint8 (rows, row_bytes), file-backed
+        self.qtype = qtype
+        self.shape = shape                 # (rows, cols) in float32 terms
+        self._dense: np.ndarray | None = None
+
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        """idx int (T,) -> float32 (T, cols)"""
+        return quants.dequantize_rows(np.ascontiguousarray(self.raw[idx]), self.qtype, self.shape[1])
+
+    def dense(self) -> np.ndarray:
+        """The whole table as float32 (rows, cols), made once (tied LM head)."""
+        if self._dense is None:
+            self._dense = quants.dequantize_rows(self.raw, self.qtype, self.shape[1])
+        return self._dense
+
+
+@dataclass
+class CPUCache:
+    k: np.ndarray      # (n_layer, n_ctx, n_kv, hd) float32
+    v: np.ndarray      # (n_layer, n_ctx, n_kv, hd) float32
+    n_ctx: int
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        hd = cfg.head_dim
+        # theta_i = base^(-2i/hd), i = 0..hd/2-1, in float64 (the exact values), as ggml's rope
+        self.inv_freq = cfg.rope_base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)   # (hd/2,)
+        self._cos = np.empty((0, hd // 2), np.float32)                                    # (n_pos, hd/2)
+        self._sin = np.empty((0, hd // 2), np.float32)
+
+    # --- weights and state -------------------------------------------------
+    def load_weight(self, name, info, raw):
+        qtype = GGMLQuantizationType(info.qtype)
+        if qtype not in quants.SUPPORTED:
+            raise MinferError(f"tensor {name}: quantization type {qtype.name} is not supported")
+        if len(info.shape) == 1:
+            return quants.dequantize_rows(raw, qtype, info.shape[0]).reshape(info.shape[0])  # (n,)
+        if len(info.shape) != 2:
+            raise MinferError(f"tensor {name}: expected 1 or 2 dimensions, got shape {info.shape}")
+        if name == "token_embd.weight":
+            return QuantTable(raw, qtype, tuple(info.shape))                  # (vocab, d) quantized
+        return quants.dequantize_rows(raw, qtype, info.shape[1])              # (n_out, n_in) f32
+
+    def new_cache(self, max_tokens: int) -> CPUCache:
+        cfg = self.cfg
+        shape = (cfg.n_layer, max_tokens, cfg.n_head_kv, cfg.head_dim)
+        return CPUCache(k=np.zeros(shape, np.float32), v=np.zeros(shape, np.float32), n_ctx=max_tokens)
+
+    # --- ops ----------------------------------------------------------------
+    def embed(self, table: QuantTable, tokens):
+        """table (vocab, d), tokens int32 (T,) -> x (T, d)"""
+        tokens = np.asarray(tokens)
+        bad = (tokens < 0) | (tokens >= table.shape[0])
+        if bad.any():
+            raise MinferError(f"token id {int(tokens[bad][0])} is outside the vocabulary (0..{table.shape[0] - 1})")
+        return table.rows(tokens)
+
+    def rmsnorm(self, x, w, eps):
+        """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w"""
+        ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)     # (T, 1) f64, as ggml
+        return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * w
+
+    def linear(self, x, w, bias=None):
+        """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> (T, n_out)"""
+        if isinstance(w, QuantTable):       # tied LM head
+            w = w.dense()
+        y = x @ w.T
+        if bias is not None:
+            y += bias
+        return y
+
+    def _rope_tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin of pos * theta_i for pos < n_pos: (n_pos, hd/2) float32, grown on demand."""
+        if self._cos.shape[0] < n_pos:
+            n = max(n_pos, 2 * self._cos.shape[0])
+            angle = np.arange(n, dtype=np.float64)[:, None] * self.inv_freq[None, :]      # (n, hd/2)
+            self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+        return self._cos[:n_pos], self._sin[:n_pos]
+
+    def rope(self, x, pos0):
+        """x (T, n_heads, hd) at positions pos0.. -> rotated (T, n_heads, hd)"""
+        T, _, hd = x.shape
+        cos, sin = self._rope_tables(pos0 + T)
+        cos, sin = cos[pos0:, None, :], sin[pos0:, None, :]                               # (T, 1, hd/2)
+        if self.cfg.rope_neox:      # rotate (x_i, x_{i+hd/2})
+            x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+            return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]                                              # rotate (x_2i, x_2i+1)
+        out = np.empty_like(x)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x2 * cos + x1 * sin
+        return out
+
+    def attention(self, q, k, v, cache: CPUCache, layer, pos0):
+        """q (T, n_head, hd), k/v (T, n_kv, hd) -> causal GQA attention (T, n_head*hd)"""
+        cfg = self.cfg
+        T, _, hd = q.shape
+        S = pos0 + T                                          # keys visible to the last query
+        cache.k[layer, pos0:S] = k
+        cache.v[layer, pos0:S] = v
+        # query t (position pos0+t) sees keys 0..pos0+t
+        masked = np.arange(S)[None, :] > (pos0 + np.arange(T))[:, None]                  # (T, S)
+        scale = np.float32(1.0 / np.sqrt(hd))
+        out = np.empty((T, cfg.n_head, hd), np.float32)                                   # (T, n_head, hd)
+        for g in range(cfg.n_head_kv):
+            heads = slice(g * cfg.n_rep, (g + 1) * cfg.n_rep)    # query heads sharing KV head g
+            qg = q[:, heads].transpose(1, 0, 2)                  # (n_rep, T, hd)
+            K = cache.k[layer, :S, g]                            # (S, hd)
+            V = cache.v[layer, :S, g]                            # (S, hd)
+            s = (qg @ K.T) * scale                               # (n_rep, T, S)
+            s[:, masked] = -np.inf
+            s -= s.max(axis=-1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[:, heads] = (p @ V).transpose(1, 0, 2)           # (T, n_rep, hd)
+        return out.reshape(T, cfg.n_head * hd)
+
+    def swiglu(self, gate, up):
+        """gate, up (T, d_ff) -> silu(gate) * up"""
+        with np.errstate(over="ignore"):    # exp(-g) -> inf for g << 0 gives silu = -0, correctly
+            return gate / (np.float32(1.0) + np.exp(-gate)) * up
+
+    def add(self, a, b):
+        return a + b
+
+    def rows(self, x, start, stop):
+        return x[start:stop]
+
+    def to_numpy(self, x):
+        return np.asarray(x, dtype=np.float32)
