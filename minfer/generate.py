@@ -1,0 +1,84 @@
+"""Greedy generation: prefill the prompt, then decode one token at a time (argmax)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .errors import MinferError
+
+
+@dataclass
+class GenerationStats:
+    n_prompt: int = 0
+    n_generated: int = 0        # tokens produced (an end-of-generation token is not counted)
+    prompt_s: float = 0.0       # prefill wall time
+    decode_s: float = 0.0       # wall time of the decode steps after the first token
+    stop: str = ""              # "eog" | "n_predict" | "context"
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_s if self.prompt_s > 0 else float("nan")
+
+    @property
+    def decode_tps(self) -> float:
+        """Tokens per second of the decode steps (the first token comes from the prefill)."""
+        n = self.n_generated - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+
+
+def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
+             on_text: Callable[[str], None] | None = None,
+             stats: GenerationStats | None = None, cache=None) -> Iterator[int]:
+    """Yield up to n_predict greedy tokens after prompt_ids.
+
+    Stops early on any of the tokenizer's end-of-generation ids (unless
+    ignore_eos) or when the context is full. on_text receives the decoded text
+    piece by piece (UTF-8 sequences split across tokens are held back until whole).
+    """
+    prompt = np.asarray(prompt_ids, dtype=np.int32)
+    if prompt.size == 0:
+        raise MinferError("empty prompt: give at least one token")
+    if n_predict < 0:
+        raise MinferError(f"number of tokens to predict must be >= 0, got {n_predict}")
+    stats = stats if stats is not None else GenerationStats()
+    stats.n_prompt = int(prompt.size)
+    model, tok = engine.model, engine.tokenizer
+    cache = cache if cache is not None else engine.new_cache()
+    eog = set() if ignore_eos else set(tok.eog_ids)
+    dec = tok.stream_decoder()
+
+    t0 = time.perf_counter()
+    logits = model.prefill(prompt, cache)                       # (vocab,)
+    engine.backend.synchronize()
+    stats.prompt_s = time.perf_counter() - t0
+    pos = int(prompt.size)
+    stats.stop = "n_predict"
+    t1 = time.perf_counter()
+    for i in range(n_predict):
+        nxt = int(np.argmax(logits))
+        if nxt in eog:
+            stats.stop = "eog"
+            break
+        stats.n_generated += 1
+        if on_text is not None:
+            piece = dec.push(nxt)
+            if piece:
+                on_text(piece)
+        yield nxt
+        if i == n_predict - 1:
+            break
+        if pos >= cache.n_ctx:
+            stats.stop = "context"
+            break
+        if i == 0:
+            t1 = time.perf_counter()                            # decode timing starts here
+        logits = model.decode(nxt, pos, cache)
+        pos += 1
+    stats.decode_s = time.perf_counter() - t1
+    if on_text is not None:
+        rest = dec.flush()
+        if rest:
+            on_text(rest)
