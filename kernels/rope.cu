@@ -1,0 +1,29 @@
+// Rotary position embedding, f32, from a precomputed table (mirrors ggml's
+// rope_f32 / rope_neox_f32 with freq_scale 1, no YaRN):
+//   theta(p, i) = p * base^(-2i/hd),  cs = (cos, sin)(theta) in cos_sin (n_pos, hd/2, 2),
+//   computed on the host in float64 and rounded once to f32.
+// NeoX (qwen2):  pairs (x[i], x[i + hd/2]);  normal (llama): pairs (x[2i], x[2i+1]).
+//   (a, b) -> (a cos - b sin, a sin + b cos)
+// One thread per pair; in place is allowed (each thread reads its pair before writing it).
+
+// x, y (T, n_heads, hd); cos_sin (n_pos, hd/2, 2) with n_pos >= pos0 + T;
+// grid.x covers T * n_heads * hd/2 pairs
+extern "C" __global__ void
+rope_f32(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ cos_sin,
+         int T, int n_heads, int hd, int pos0, int neox) {
+    const int half = hd / 2;
+    const long long n_pairs = (long long)T * n_heads * half;
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= n_pairs) return;
+    const int i = (int)(g % half);
+    const long long th = g / half;          // (t, head) row
+    const int t = (int)(th / n_heads);
+    const size_t base = (size_t)th * hd;
+    const int ia = neox ? i : 2 * i;
+    const int ib = neox ? i + half : 2 * i + 1;
+    const float* cs = cos_sin + ((size_t)(pos0 + t) * half + i) * 2;
+    const float c = cs[0], s = cs[1];
+    const float a = x[base + ia], b = x[base + ib];
+    y[base + ia] = a * c - b * s;
+    y[base + ib] = a * s + b * c;
+}

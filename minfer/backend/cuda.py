@@ -1,0 +1,272 @@
+"""The CUDA backend: every graph op on the GPU, activations f32 in cupy arrays.
+
+Quantized weights (q4_K, q6_K + its W_exp plane, ...) belong to
+`cuda_quant.QuantState`: registration, int8 MMQ for T > 1, matvec for T == 1,
+embedding rows. The rest of the graph is here, one Python wrapper per kernel
+(checks dtype/shape/contiguity, computes the grid, launches):
+
+    rmsnorm    kernels/norm.cu         one block per row
+    rope       kernels/rope.cu         one thread per rotated pair, cos/sin table
+    attention  kernels/attention.cu    tiled causal GQA, online softmax, f32 KV cache
+    swiglu/add kernels/elementwise.cu  one thread per element
+
+No host synchronisation inside a layer: nothing here reads a device value back
+except `to_numpy`. Outputs come from cupy's memory pool (a first step; every op
+takes `out=` so that a run state allocated once can replace it, which is what
+CUDA-graph capture will need). Device out-of-memory anywhere becomes one
+MinferError line that says what to turn off.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from ..config import ModelConfig
+from ..errors import MinferError
+from . import kernels
+from .base import Backend
+
+try:
+    import cupy as cp
+except Exception as e:  # noqa: BLE001 - any import failure means no CUDA backend
+    cp = None
+    _CUPY_ERROR = f"{type(e).__name__}: {e}"
+else:
+    _CUPY_ERROR = None
+
+NORM_THREADS = 256    # = NORM_THREADS in kernels/norm.cu
+ATT_BQ = 16           # = ATT_BQ in kernels/attention.cu (query rows per block)
+ATT_THREADS = 128     # = 32 * ATT_WARPS in kernels/attention.cu
+ATT_HEAD_DIMS = (64, 128)
+EW_THREADS = 256
+
+
+def _is_oom(e: BaseException) -> bool:
+    if cp is None:
+        return False
+    if isinstance(e, cp.cuda.memory.OutOfMemoryError):
+        return True
+    return isinstance(e, cp.cuda.runtime.CUDARuntimeError) and "MemoryAllocation" in str(e)
+
+
+class CudaCache:
+    """KV cache, preallocated: k, v (n_layer, n_ctx, n_kv, hd) f32, zero-filled so
+    that no position ever holds garbage (attention never reads past pos0 + T,
+    but zeros make a bug show up as a wrong number, not a NaN)."""
+
+    def __init__(self, cfg: ModelConfig, n_ctx: int):
+        self.n_ctx = n_ctx
+        shape = (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim)
+        self.k = cp.zeros(shape, dtype=cp.float32)   # (n_layer, n_ctx, n_kv, hd)
+        self.v = cp.zeros(shape, dtype=cp.float32)   # (n_layer, n_ctx, n_kv, hd)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def _f32(x, what: str, ndim: int | None = None):
+    """Argument check shared by the wrappers: a C-contiguous float32 cupy array."""
+    if not isinstance(x, cp.ndarray) or x.dtype != cp.float32 or not x.flags.c_contiguous:
+        raise ValueError(f"{what}: expected a C-contiguous float32 cupy array, got "
+                         f"{type(x).__name__} {getattr(x, 'dtype', '?')}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{what}: expected {ndim} dimensions, got shape {x.shape}")
+    return x
+
+
+def _out(out, shape, what: str):
+    if out is None:
+        return cp.empty(shape, dtype=cp.float32)
+    _f32(out, what)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{what}: out has shape {out.shape}, expected {tuple(shape)}")
+    return out
+
+
+def rope_table(n_pos: int, hd: int, base: float) -> np.ndarray:
+    """cos/sin of theta(p, i) = p * base^(-2i/hd), computed in float64 and rounded
+    once to f32 -> (n_pos, hd/2, 2) float32 (the angles of ggml's rope, without
+    its f32 running product's drift)."""
+    inv_freq = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)     # (hd/2,)
+    theta = np.arange(n_pos, dtype=np.float64)[:, None] * inv_freq       # (n_pos, hd/2)
+    return np.stack([np.cos(theta), np.sin(theta)], axis=-1).astype(np.float32)
+
+
+class CUDABackend(Backend):
+    name = "cuda"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        if cp is None:
+            raise MinferError(f"the CUDA backend needs cupy ({_CUPY_ERROR}); "
+                              f"install minfer[cuda12] or minfer[cuda13], or use --backend cpu")
+        try:
+            if cp.cuda.runtime.getDeviceCount() < 1:
+                raise MinferError("no CUDA device found; use --backend cpu")
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            raise MinferError(f"no usable CUDA device ({e}); use --backend cpu") from None
+        if cfg.head_dim not in ATT_HEAD_DIMS:
+            raise MinferError(f"head dimension {cfg.head_dim} is not supported by the CUDA "
+                              f"attention kernel (supported: {', '.join(map(str, ATT_HEAD_DIMS))})")
+        from .cuda_quant import QuantState   # env vars (MINFER_MMQ_*) are read here
+        self.quant = QuantState()
+        self._cos_sin = None                 # (n_pos, hd/2, 2) f32 on the device
+
+    # --- out of memory -------------------------------------------------------
+    def oom_error(self, what: str) -> MinferError:
+        """One line: what ran out, how much is in use, what to turn off."""
+        free, total = cp.cuda.runtime.memGetInfo()
+        planes = getattr(self.quant, "plane_bytes", 0) or 0
+        drop = (f"set MINFER_MMQ_Q6K_EXP=0 to drop the W_exp planes ({planes / 1e9:.2f} GB)"
+                if planes else "the W_exp planes are already off (MINFER_MMQ_Q6K_EXP=0)")
+        return MinferError(f"GPU out of memory while {what} ({free / 2**30:.2f} of "
+                           f"{total / 2**30:.2f} GiB free): {drop} or use a smaller -c")
+
+    def _guard(self, what: str, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is translated
+            if _is_oom(e):
+                raise self.oom_error(what) from None
+            raise
+
+    # --- weights and state ---------------------------------------------------
+    def load_weight(self, name: str, info, raw: np.ndarray):
+        if len(info.shape) == 1:
+            if info.qtype != GGMLQuantizationType.F32:
+                raise MinferError(f"{name}: 1-D tensor of type {info.qtype.name}, expected F32")
+            host = np.ascontiguousarray(raw).view(np.float32).reshape(info.shape)
+            return self._guard(f"loading {name}", cp.asarray, host)          # (n,)
+        return self._guard(f"loading {name}", self.quant.register, name, info, raw)
+
+    def new_cache(self, max_tokens: int) -> CudaCache:
+        if max_tokens < 1:
+            raise MinferError(f"context size must be positive, got {max_tokens}")
+        cache = self._guard(f"allocating the KV cache for {max_tokens} tokens",
+                            CudaCache, self.cfg, max_tokens)
+        if self._cos_sin is None or self._cos_sin.shape[0] < max_tokens:
+            table = rope_table(max_tokens, self.cfg.head_dim, self.cfg.rope_base)
+            self._cos_sin = self._guard("allocating the RoPE table", cp.asarray, table)
+        return cache
+
+    # --- ops -----------------------------------------------------------------
+    def embed(self, table, tokens: np.ndarray):
+        """table handle, tokens int32 (T,) host -> x (T, d)"""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+            raise MinferError(f"token id out of range [0, {self.cfg.vocab_size})")
+        return self._guard("embedding the tokens", lambda: self.quant.embed(table, cp.asarray(tokens)))
+
+    def linear(self, x, w, bias=None, out=None):
+        """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> (T, n_out)"""
+        _f32(x, "linear x", 2)
+        return self._guard("running a linear layer", self.quant.linear, x, w, bias=bias, out=out)
+
+    def rmsnorm(self, x, w, eps: float, out=None):
+        """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w  (T, d)"""
+        _f32(x, "rmsnorm x", 2)
+        _f32(w, "rmsnorm w", 1)
+        T, d = x.shape
+        if w.shape[0] != d:
+            raise ValueError(f"rmsnorm: weight has {w.shape[0]} elements, rows have {d}")
+        y = self._guard("running rmsnorm", _out, out, (T, d), "rmsnorm out")   # (T, d)
+        if T:
+            _fn("norm.cu", "rmsnorm_f32")((T,), (NORM_THREADS,),
+                                          (x, w, y, np.int32(d), np.float32(eps)))
+        return y
+
+    def rope(self, x, pos0: int, out=None):
+        """x (T, n_heads, hd) at positions pos0.. -> rotated (T, n_heads, hd); out may be x"""
+        _f32(x, "rope x", 3)
+        T, n_heads, hd = x.shape
+        if hd != self.cfg.head_dim:
+            raise ValueError(f"rope: head dim {hd}, model has {self.cfg.head_dim}")
+        if self._cos_sin is None or pos0 + T > self._cos_sin.shape[0]:
+            raise MinferError(f"RoPE positions up to {pos0 + T} exceed the cache built by "
+                              f"new_cache ({0 if self._cos_sin is None else self._cos_sin.shape[0]})")
+        y = self._guard("running rope", _out, out, x.shape, "rope out")       # (T, n_heads, hd)
+        n_pairs = T * n_heads * (hd // 2)
+        if n_pairs:
+            _fn("rope.cu", "rope_f32")(((n_pairs + EW_THREADS - 1) // EW_THREADS,), (EW_THREADS,),
+                                       (x, y, self._cos_sin, np.int32(T), np.int32(n_heads),
+                                        np.int32(hd), np.int32(pos0), np.int32(self.cfg.rope_neox)))
+        return y
+
+    def attention(self, q, k, v, cache, layer: int, pos0: int, out=None):
+        """q (T, n_head, hd), k/v (T, n_kv, hd): stores k/v in cache[layer] at
+        pos0..pos0+T-1, then causal GQA attention -> (T, n_head*hd)"""
+        cfg = self.cfg
+        T = q.shape[0]
+        _f32(q, "attention q", 3)
+        if q.shape != (T, cfg.n_head, cfg.head_dim):
+            raise ValueError(f"attention: q shape {q.shape}")
+        for a, nm in ((k, "k"), (v, "v")):
+            if a.shape != (T, cfg.n_head_kv, cfg.head_dim) or a.dtype != cp.float32:
+                raise ValueError(f"attention: {nm} shape {a.shape} dtype {a.dtype}")
+        if not (0 <= pos0 and pos0 + T <= cache.n_ctx):
+            raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {cache.n_ctx}")
+        cache.k[layer, pos0:pos0 + T] = k                                    # (T, n_kv, hd)
+        cache.v[layer, pos0:pos0 + T] = v
+        y = self._guard("running attention", _out, out, (T, cfg.n_head * cfg.head_dim),
+                        "attention out")                                     # (T, n_head*hd)
+        kl, vl = cache.k[layer], cache.v[layer]                              # (n_ctx, n_kv, hd) views
+        _fn("attention.cu", f"attention_f32<{cfg.head_dim}>", _ATT_INSTANCES)(
+            ((T + ATT_BQ - 1) // ATT_BQ, cfg.n_head), (ATT_THREADS,),
+            (q, kl, vl, y, np.int32(T), np.int32(cfg.n_head), np.int32(cfg.n_head_kv),
+             np.int32(pos0), np.float32(1.0 / math.sqrt(cfg.head_dim))))
+        return y
+
+    def swiglu(self, gate, up, out=None):
+        """gate, up (T, d_ff) -> silu(gate) * up (T, d_ff)"""
+        _f32(gate, "swiglu gate")
+        _f32(up, "swiglu up")
+        if gate.shape != up.shape:
+            raise ValueError(f"swiglu: gate {gate.shape} vs up {up.shape}")
+        y = self._guard("running swiglu", _out, out, gate.shape, "swiglu out")
+        _launch_ew("swiglu_f32", gate.size, (gate, up, y, np.int64(gate.size)))
+        return y
+
+    def add(self, a, b, out=None):
+        """a + b, same shape (residual add); out may be a"""
+        _f32(a, "add a")
+        _f32(b, "add b")
+        if a.shape != b.shape:
+            raise ValueError(f"add: {a.shape} vs {b.shape}")
+        y = self._guard("running add", _out, out, a.shape, "add out")
+        _launch_ew("add_f32", a.size, (a, b, y, np.int64(a.size)))
+        return y
+
+    def rows(self, x, start: int, stop: int):
+        return x[start:stop]          # contiguous: a range of whole rows
+
+    def to_numpy(self, x) -> np.ndarray:
+        return cp.asnumpy(x).astype(np.float32, copy=False)
+
+    def synchronize(self) -> None:
+        cp.cuda.get_current_stream().synchronize()
+
+    def memory_report(self) -> dict:
+        rep = dict(self.quant.memory_report()) if hasattr(self.quant, "memory_report") else {}
+        rep["pool_used_bytes"] = cp.get_default_memory_pool().used_bytes()
+        return rep
+
+
+_ATT_INSTANCES = tuple(f"attention_f32<{hd}>" for hd in ATT_HEAD_DIMS)
+
+
+@functools.lru_cache(maxsize=None)
+def _fn(filename: str, name: str, name_expressions: tuple[str, ...] = ()):
+    """The compiled kernel (NVRTC once per process, through backend.kernels)."""
+    return kernels.function(filename, name, name_expressions)
+
+
+def _launch_ew(name: str, n: int, args) -> None:
+    """Grid-stride element-wise launch: enough blocks to fill the GPU, no more."""
+    if n == 0:
+        return
+    blocks = min((n + EW_THREADS - 1) // EW_THREADS, 65535)
+    _fn("elementwise.cu", name)((blocks,), (EW_THREADS,), args)
