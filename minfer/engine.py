@@ -17,17 +17,16 @@ DEFAULT_MAX_CTX = 4096      # default context: the model's training context, cap
 
 
 @dataclass
-class Engine:
+class ModelFile:
+    """The parts of a model that need no weights: enough to tokenize and to check a
+    prompt before paying for the weight load."""
     gf: Any                 # minfer.gguf.GGUFFile
     cfg: ModelConfig
     tokenizer: Any          # minfer.tokenizer.Tokenizer
-    backend: Backend
-    weights: Weights
-    model: Transformer
     n_ctx: int
 
     @classmethod
-    def load(cls, path, backend: str = "cpu", n_ctx: int | None = None, progress: bool = True) -> "Engine":
+    def open(cls, path, n_ctx: int | None = None) -> "ModelFile":
         from .gguf import open_gguf
         from .tokenizer import Tokenizer
 
@@ -40,11 +39,29 @@ class Engine:
             n_ctx = min(cfg.n_ctx_train, DEFAULT_MAX_CTX)
         if n_ctx < 1:
             raise MinferError(f"context size must be at least 1, got {n_ctx}")
-        tokenizer = Tokenizer.from_gguf(gf)
-        be = get_backend(backend, cfg)
-        weights = load_weights(gf, cfg, be, progress=progress)
-        return cls(gf=gf, cfg=cfg, tokenizer=tokenizer, backend=be, weights=weights,
-                   model=Transformer(cfg, be, weights), n_ctx=n_ctx)
+        return cls(gf=gf, cfg=cfg, tokenizer=Tokenizer.from_gguf(gf), n_ctx=n_ctx)
+
+
+@dataclass
+class Engine:
+    gf: Any                 # minfer.gguf.GGUFFile
+    cfg: ModelConfig
+    tokenizer: Any          # minfer.tokenizer.Tokenizer
+    backend: Backend
+    weights: Weights
+    model: Transformer
+    n_ctx: int              # default context of new_cache()
+
+    @classmethod
+    def load(cls, path, backend: str = "cpu", n_ctx: int | None = None, progress: bool = True) -> "Engine":
+        return cls.from_file(ModelFile.open(path, n_ctx), backend, progress)
+
+    @classmethod
+    def from_file(cls, mf: ModelFile, backend: str = "cpu", progress: bool = True) -> "Engine":
+        be = get_backend(backend, mf.cfg)
+        weights = load_weights(mf.gf, mf.cfg, be, progress=progress)
+        return cls(gf=mf.gf, cfg=mf.cfg, tokenizer=mf.tokenizer, backend=be, weights=weights,
+                   model=Transformer(mf.cfg, be, weights), n_ctx=mf.n_ctx)
 
     def new_cache(self, n_ctx: int | None = None):
         """An empty KV cache for n_ctx positions (default: the engine's context)."""

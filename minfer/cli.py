@@ -1,0 +1,202 @@
+"""The `minfer` command: generate, tokenize, pull, perplexity (+ bench, twin from their modules).
+
+Bad input of any kind is one line `minfer: error: ...` on stderr and exit code 2
+(MinferError, OSError on files, argument errors). Anything else is a bug and
+keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from .errors import MinferError
+
+# subcommands that live in their own modules, each with add_arguments(parser) and
+# main(args) -> int | None; imported only when invoked
+EXTENSIONS = {"bench": "minfer.bench", "twin": "minfer.twin"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # one line, like every other bad input (argparse would print the usage first)
+        self.exit(2, f"minfer: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _out(text: str) -> None:
+    """Write exactly text to stdout (UTF-8 bytes, whatever the locale), now."""
+    sys.stdout.buffer.write(text.encode("utf-8"))
+    sys.stdout.buffer.flush()
+
+
+def _model_path(args) -> str:
+    if args.model:
+        return args.model
+    from .pull import ensure_model
+    return str(ensure_model(progress=True))
+
+
+def _read_text(path: str) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", errors="strict")
+
+
+# --- generate -----------------------------------------------------------------
+def cmd_generate(args) -> int:
+    from .chat import apply_chat_template
+    from .engine import Engine, ModelFile
+    from .generate import GenerationStats, generate
+
+    prompt = args.prompt if args.file is None else _read_text(args.file)
+    if prompt == "":
+        raise MinferError("empty prompt: give some text with -p or -f")
+    if args.n_predict < 0:
+        raise MinferError(f"-n must be >= 0, got {args.n_predict}")
+    mf = ModelFile.open(_model_path(args), args.ctx_size)
+    tok = mf.tokenizer
+    add_bos = None
+    if args.chat:
+        tokens = mf.gf.get("tokenizer.ggml.tokens") or []
+        bos = tokens[tok.bos_id] if tok.bos_id is not None and tok.bos_id < len(tokens) else ""
+        eos = tokens[tok.eos_id] if tok.eos_id is not None and tok.eos_id < len(tokens) else ""
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        prompt = apply_chat_template(tok.chat_template, messages, bos_token=bos, eos_token=eos)
+        if bos and prompt.startswith(bos):
+            add_bos = False             # the template wrote the BOS itself
+    ids = tok.encode(prompt, parse_special=True, add_bos=add_bos)
+    if len(ids) == 0:
+        raise MinferError("empty prompt: it tokenizes to nothing")
+    if len(ids) > mf.n_ctx:
+        raise MinferError(f"the prompt is {len(ids)} tokens, longer than the context of {mf.n_ctx}; "
+                          f"shorten it or raise -c")
+    engine = Engine.from_file(mf, args.backend, progress=not args.quiet)
+    stats = GenerationStats()
+    for _ in generate(engine, ids, args.n_predict, ignore_eos=args.ignore_eos, on_text=_out, stats=stats):
+        pass
+    note = {"context": " (context full)", "eog": " (end of generation)"}.get(stats.stop, "")
+    print(f"\nprompt: {stats.n_prompt} tokens, {stats.prompt_tps:.2f} tok/s | "
+          f"generation: {stats.n_generated} tokens, {stats.decode_tps:.2f} tok/s{note} "
+          f"[{engine.backend.name}]", file=sys.stderr)
+    return 0
+
+
+# --- tokenize -----------------------------------------------------------------
+def cmd_tokenize(args) -> int:
+    from .engine import ModelFile
+
+    if (args.prompt is None) == (args.file is None):
+        raise MinferError("give exactly one of -p TEXT or -f FILE")
+    text = args.prompt if args.file is None else _read_text(args.file)
+    mf = ModelFile.open(_model_path(args))
+    ids = mf.tokenizer.encode(text, parse_special=not args.no_parse_special)
+    _out(json.dumps([int(i) for i in ids]) + "\n")
+    return 0
+
+
+# --- pull ---------------------------------------------------------------------
+def cmd_pull(args) -> int:
+    from .pull import pull
+
+    _out(f"{pull(args.name, progress=True, force=args.force)}\n")
+    return 0
+
+
+# --- perplexity ---------------------------------------------------------------
+def cmd_perplexity(args) -> int:
+    from .engine import Engine
+    from .perplexity import perplexity
+
+    text = _read_text(args.file)
+    engine = Engine.load(_model_path(args), args.backend, n_ctx=args.ctx_size, progress=True)
+    res = perplexity(engine, text, n_ctx=args.ctx_size, progress=True,
+                     on_chunk=lambda i, p: _out(f"[{i}]{p:.4f},"))
+    _out(f"\nFinal estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}\n")
+    return 0
+
+
+# --- extension subcommands -----------------------------------------------------
+def _run_extension(name: str, argv: list[str]) -> int:
+    modname = EXTENSIONS[name]
+    try:
+        mod = importlib.import_module(modname)
+    except ModuleNotFoundError as e:
+        if e.name != modname:
+            raise                       # the module exists but is broken: a bug, show it
+        raise MinferError(f"`minfer {name}` is not available in this installation ({modname} missing)") from None
+    p = _Parser(prog=f"minfer {name}", description=(mod.__doc__ or "").strip().splitlines()[0]
+                if mod.__doc__ else None)
+    mod.add_arguments(p)
+    return mod.main(p.parse_args(argv)) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="minfer", description="Prefill GGUF-quantized LLMs on an NVIDIA GPU, "
+                                            "with a NumPy reference on the CPU.")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def model_arg(p):
+        p.add_argument("-m", "--model", metavar="PATH",
+                       help="GGUF file (default: the pulled Qwen2.5-Coder-1.5B-Instruct Q4_K_M)")
+
+    g = sub.add_parser("generate", help="greedy generation, streamed to stdout")
+    model_arg(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="prompt text (special tokens like <|im_start|> are parsed)")
+    src.add_argument("-f", "--file", help="read the prompt from FILE")
+    g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="context size (default: min(training context, 4096))")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="system message for --chat")
+    g.add_argument("--backend", default="cpu", help="cpu or cuda (default cpu)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    g.add_argument("-q", "--quiet", action="store_true", help="no load progress bar")
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("tokenize", help="print token ids as a JSON list")
+    model_arg(t)
+    t.add_argument("-p", "--prompt", help="text to tokenize")
+    t.add_argument("-f", "--file", help="read the text from FILE")
+    t.add_argument("--no-parse-special", action="store_true",
+                   help="treat special-token text like <|im_end|> as plain text")
+    t.set_defaults(func=cmd_tokenize)
+
+    pl = sub.add_parser("pull", help="download, verify and cache a model")
+    pl.add_argument("name", nargs="?", default=None,
+                    help="model name (default qwen2.5-coder-1.5b-instruct-q4_k_m)")
+    pl.add_argument("--force", action="store_true", help="download again even if cached")
+    pl.set_defaults(func=cmd_pull)
+
+    pp = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
+    model_arg(pp)
+    pp.add_argument("-f", "--file", required=True, help="text file")
+    pp.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens (default 512)")
+    pp.add_argument("--backend", default="cpu", help="cpu or cuda (default cpu)")
+    pp.set_defaults(func=cmd_perplexity)
+
+    for name, modname in EXTENSIONS.items():
+        # listed for --help only: main() hands `minfer NAME ...` to the module before parsing
+        sub.add_parser(name, help=f"see `minfer {name} --help` ({modname})")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if argv and argv[0] in EXTENSIONS:     # the module parses its own arguments
+            return _run_extension(argv[0], argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except MinferError as e:
+        msg = " ".join(str(e).split("\n"))
+    except OSError as e:
+        msg = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
+    except UnicodeDecodeError as e:
+        msg = f"input is not valid UTF-8 ({e.reason} at byte {e.start})"
+    except KeyboardInterrupt:
+        return 130
+    print(f"minfer: error: {msg}", file=sys.stderr)
+    return 2
