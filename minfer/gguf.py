@@ -16,6 +16,7 @@ INTERFACE (implemented by the loader work; other modules rely on exactly this):
     gf.version: int
     gf.alignment: int
     gf.data_offset: int                       # absolute offset of the tensor data section
+    gf.file_size: int; gf.header_only: bool
     gf.metadata: dict[str, object]            # key -> str | int | float | bool | list, in file
                                               #   order. Every array is a Python list (token
                                               #   lists list[str], scores list[float], token
@@ -216,7 +217,11 @@ class GGUFFile:
         except OSError as e:
             raise GGUFError(f"{path}: cannot open ({e.strerror or e})") from None
         self.file_size = size
-        self._parse()
+        try:
+            self._parse()
+        except GGUFError:
+            self.close()  # a rejected file keeps no mapping open
+            raise
 
     # --- the header walk ------------------------------------------------
     def _parse(self) -> None:
