@@ -123,21 +123,13 @@ class Tokenizer:
         self.add_bos = bool(meta.get(K.ADD_BOS, spm))
         self.add_eos = bool(meta.get(K.ADD_EOS, False))
 
-        def special_id(key: str, default: int | None = None) -> int | None:
-            v = meta.get(key, default)
-            if v is None:
-                return None
-            if not 0 <= int(v) < n:
-                raise MinferError(f"{path}: {key} = {v} is outside the vocabulary (size {n})")
-            return int(v)
-
         # SPM ids default to llama's <unk>=0, <s>=1, </s>=2 like llama.cpp
-        self.bos_id = special_id(K.BOS_ID, 1 if spm else None)
-        self.eos_id = special_id(K.EOS_ID, 2 if spm else None)
-        self.unk_id = special_id(K.UNK_ID, 0 if spm else None)
-        self.pad_id = special_id(K.PAD_ID)
-        self.eot_id = special_id(K.EOT_ID)
-        self.eom_id = special_id(K.EOM_ID)
+        self.bos_id = self._special_id(meta, K.BOS_ID, 1 if spm else None)
+        self.eos_id = self._special_id(meta, K.EOS_ID, 2 if spm else None)
+        self.unk_id = self._special_id(meta, K.UNK_ID, 0 if spm else None)
+        self.pad_id = self._special_id(meta, K.PAD_ID)
+        self.eot_id = self._special_id(meta, K.EOT_ID)
+        self.eom_id = self._special_id(meta, K.EOM_ID)
         if self.add_bos and self.bos_id is None:
             raise MinferError(f"{path}: {K.ADD_BOS} is true but {K.BOS_ID} is not set")
         self.chat_template: str | None = meta.get(K.CHAT_TEMPLATE)
@@ -168,15 +160,25 @@ class Tokenizer:
         """gf: a minfer.gguf.GGUFFile (anything with .metadata and .path)."""
         return cls(gf.metadata, path=str(gf.path))
 
+    def _special_id(self, meta: dict, key: str, default: int | None = None) -> int | None:
+        """A token id from the metadata, range-checked; default when the key is absent."""
+        v = meta.get(key, default)
+        if v is None:
+            return None
+        if not 0 <= int(v) < len(self.tokens):
+            raise MinferError(f"{self.path}: {key} = {v} is outside the vocabulary "
+                              f"(size {len(self.tokens)})")
+        return int(v)
+
     def _detect_special(self, meta: dict) -> None:
         """EOT/EOM/FIM ids by token text, and the end-of-generation set (llama.cpp's rules).
 
         A token found this way is forced to CONTROL, as llama.cpp does, which
         matters for parse_special=False (CONTROL texts are then plain text)."""
         def first_present(key: str, texts: Iterable[str]) -> int | None:
-            v = meta.get(key)
+            v = self._special_id(meta, key)
             if v is not None:
-                return int(v)
+                return v
             for t in texts:
                 i = self.token_to_id.get(t)
                 if i is not None:
