@@ -1,0 +1,75 @@
+// Shared pieces of the quantized-weight kernels (quantize.cu, mmq.cu, matvec.cu,
+// dequant.cu): fixed-width types, the block layouts, f16 decode, the 6-bit k-quant
+// scale unpack, the cp.async wrappers (seed §3.2) and the int8 mma.
+//
+// No system headers: NVRTC (through CuPy) and nvcc must both compile this as is.
+#pragma once
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// ---- block layouts (ggml-common.h) -----------------------------------------
+#define QK_K 256
+#define QK8_1 32                 // q8_1 activation block (quantize.cu)
+// block_q4_K: d (f16) | dmin (f16) | scales[12] | qs[128]
+#define Q4K_BYTES 144
+#define Q4K_QS 16                // byte offset of qs in the block
+// block_q6_K: ql[128] | qh[64] | scales int8[16] | d (f16)
+#define Q6K_BYTES 210
+#define Q6K_PADDED 224           // registered stride: super-blocks 16-byte aligned (seed §2.3)
+#define Q6K_QH 128
+#define Q6K_SC 192
+#define Q6K_D 208
+// block_q8_0: d (f16) | qs int8[32]
+#define Q8_0_BYTES 34
+
+// f16 bits -> f32 (exact conversion; avoids cuda_fp16.h, which NVRTC may not find)
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("{ .reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float load_f16(const u8* p) {
+    return f16_to_f32((u16)(p[0] | (p[1] << 8)));
+}
+
+// ggml get_scale_min_k4: packed scales[12] of q4_K, sub-block j (0..7) -> 6-bit (sc, m)
+__device__ __forceinline__ void q4k_scale_min(int j, const u8* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// ---- cp.async (seed §3.2: the three wrappers are the whole PTX surface) ----
+// 16 bytes global -> shared, L2 only (.cg). full=false: src-size 0, the 16 bytes
+// are zero-filled and nothing is read (rows past the end of a tile).
+__device__ __forceinline__ void cp16(void* smem_dst, const void* gsrc, bool full) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(smem_dst);
+    const int sz = full ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gsrc), "r"(sz)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_wait0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// ---- int8 tensor-core mma --------------------------------------------------
+// D (16x8 s32) = A (16x16 s8, row) * B (16x8 s8, col) + C. Fragments per lane
+// (g = lane/4, t = lane%4), PTX ISA "mma.m16n8k16 .s8":
+//   a[0] = A[g][4t..4t+3], a[1] = A[g+8][4t..4t+3]   (4 int8 packed per u32)
+//   b    = B[4t..4t+3][g]  (= W row g, k 4t..4t+3: W rows are B's columns)
+//   c[0..1] = C[g][2t, 2t+1], c[2..3] = C[g+8][2t, 2t+1]
+__device__ __forceinline__ void mma_s8_16816(int c[4], const u32 a[2], u32 b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(b));
+}
