@@ -76,6 +76,14 @@ def test_deepseek_matches_llama_cpp(deepseek_tok, case):
         assert deepseek_tok.decode(ids[1:]) == text
 
 
+@pytest.mark.model
+def test_qwen_greedy_prompts_match_llama_cpp(qwen_tok):
+    # the prompts of the greedy fixture were tokenized by llama-completion
+    greedy = json.loads((FIXTURES / "greedy_qwen2.5-coder-1.5b.json").read_text(encoding="utf-8"))
+    for rec in greedy:
+        assert qwen_tok.encode(rec["prompt"]) == rec["prompt_ids"], rec["prompt"][:40]
+
+
 def test_fixture_escape_case_is_present():
     # guards llama_cpp_unescape: exactly the texts with a backslash differ, and one does
     changed = [e["text"] for e in QWEN_FIXTURE if llama_cpp_unescape(e["text"]) != e["text"]]
