@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""SASS-level evidence for the q6_K W_exp bundle (seed/000 §3.3 pitfalls #2, #4).
+
+Compiles kernels/mmq.cu offline (nvcc -cubin -arch=sm_90, with the explicit
+instantiations of its MINFER_SASS_INSTANTIATE block), then per MMQ kernel:
+registers, stack frame and spill bytes (ptxas -v), and the number of LDGSTS
+instructions (cuobjdump --dump-sass): explicit-PTX cp.async must really become
+LDGSTS in the EXP=true build, or the fast path silently degrades.
+
+Exit code 1 if LDGSTS is missing from mmq_q6k_bt<.., true>, if any MMQ kernel
+spills, or if mmq_q6k_bt uses more than the 80 registers that
+__launch_bounds__(256, 3) allows. Without cuobjdump (a machine with only
+nvcc/ptxas) the LDGSTS column says so and counts cp.async in the PTX instead;
+that is not SASS evidence, and --require-sass makes it an error.
+
+    python3 scripts/sass_check.py [--arch sm_90] [--require-sass]
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MMQ = ROOT / "kernels" / "mmq.cu"
+MAX_REGS_Q6K = 65536 // (256 * 3) // 8 * 8     # 3 blocks of 256 threads per SM -> 80 (alloc granule 8)
+
+
+def demangle(sym: str) -> str:
+    """_Z10mmq_q6k_btILi2ELb1EEv... -> mmq_q6k_bt<2, true> (enough for these kernels)."""
+    m = re.match(r"_Z(\d+)", sym)
+    if not m:
+        return sym
+    start = m.end()
+    name, rest = sym[start:start + int(m[1])], sym[start + int(m[1]):]
+    if not rest.startswith("I"):
+        return name
+    targs = re.findall(r"L([ib])(\d+)E", rest[:rest.find("EE") + 2])
+    vals = [v if k == "i" else ("true" if v == "1" else "false") for k, v in targs]
+    return f"{name}<{', '.join(vals)}>"
+
+
+def run(cmd: list[str]) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        sys.exit(f"sass_check: {' '.join(cmd)} failed:\n{p.stdout}{p.stderr}")
+    return p.stdout + p.stderr
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--require-sass", action="store_true",
+                    help="fail when cuobjdump is not available")
+    a = ap.parse_args()
+    if not shutil.which("nvcc"):
+        sys.exit("sass_check: nvcc not found")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = Path(tmp) / "mmq.cubin", Path(tmp) / "mmq.ptx"
+        common = ["nvcc", f"-arch={a.arch}", "-std=c++17", "-DMINFER_SASS_INSTANTIATE",
+                  f"-I{MMQ.parent}", str(MMQ)]
+        log = run(common[:1] + ["-cubin", "-Xptxas", "-v", "-o", str(cubin)] + common[1:])
+        run(common[:1] + ["-ptx", "-o", str(ptx)] + common[1:])
+
+        # ptxas -v: "Compiling entry function 'SYM'" ... "N bytes stack frame, S bytes
+        # spill stores, L bytes spill loads" ... "Used R registers"
+        res: dict[str, dict] = {}
+        cur = None
+        for line in log.splitlines():
+            if m := re.search(r"Compiling entry function '(\w+)'", line):
+                cur = m.group(1)
+                res[cur] = {}
+            elif cur and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                                         r"(\d+) bytes spill loads", line)):
+                res[cur].update(stack=int(m[1]), spill_st=int(m[2]), spill_ld=int(m[3]))
+            elif cur and (m := re.search(r"Used (\d+) registers", line)):
+                res[cur]["regs"] = int(m[1])
+
+        # PTX cp.async per entry (fallback evidence) and SASS LDGSTS per function
+        ptx_text = ptx.read_text()
+        for sym in res:
+            body = ptx_text.split(f".entry {sym}(", 1)[-1].split(".entry ", 1)[0]
+            res[sym]["ptx_cp_async"] = body.count("cp.async.cg.shared.global")
+        have_sass = shutil.which("cuobjdump") is not None
+        if have_sass:
+            sass = run(["cuobjdump", "--dump-sass", str(cubin)])
+            for chunk in re.split(r"\n\s*Function : ", sass)[1:]:
+                sym = chunk.split("\n", 1)[0].strip()
+                if sym in res:
+                    res[sym]["ldgsts"] = len(re.findall(r"\bLDGSTS\b", chunk))
+            run(["cuobjdump", "--dump-resource-usage", str(cubin)])   # must work too
+
+    print(f"{'kernel':28} {'regs':>5} {'stack':>6} {'spill st':>9} {'spill ld':>9} "
+          f"{'LDGSTS':>7} {'PTX cp.async':>13}")
+    bad = []
+    for sym, r in res.items():
+        name = demangle(sym)
+        ld = r.get("ldgsts")
+        print(f"{name:28} {r.get('regs', -1):>5} {r.get('stack', 0):>6} {r.get('spill_st', 0):>9} "
+              f"{r.get('spill_ld', 0):>9} {('n/a' if ld is None else ld):>7} {r['ptx_cp_async']:>13}")
+        if r.get("spill_st", 0) or r.get("spill_ld", 0):
+            bad.append(f"{name} spills")
+        if name.startswith("mmq_q6k_bt") and r.get("regs", 0) > MAX_REGS_Q6K:
+            bad.append(f"{name} uses {r['regs']} registers > {MAX_REGS_Q6K} "
+                       f"(__launch_bounds__(256, 3))")
+        if name.startswith("mmq_q6k_bt") and name.endswith("true>"):
+            if ld is not None and ld == 0:
+                bad.append(f"{name}: no LDGSTS in the SASS (cp.async degraded)")
+            if r["ptx_cp_async"] == 0:
+                bad.append(f"{name}: no cp.async in the PTX")
+    if not any(demangle(s).endswith("true>") for s in res):
+        bad.append("no mmq_q6k_bt<.., true> instantiation found")
+    if not have_sass:
+        msg = "cuobjdump not found: LDGSTS not checked at the SASS level (PTX counts shown)"
+        if a.require_sass:
+            bad.append(msg)
+        else:
+            print(f"WARNING: {msg}")
+    for b in bad:
+        print(f"FAIL: {b}")
+    if not bad:
+        print("OK" + (" (SASS: LDGSTS present in EXP=true)" if have_sass else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
