@@ -164,40 +164,50 @@ def _pack_f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
 
 
-def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
+def _make_qkx2_quants(x: np.ndarray, w: np.ndarray | None, nmax: int, rmin: float, rdelta: float,
                       nstep: int) -> tuple[np.ndarray, np.ndarray]:
     """ggml make_qkx2_quants (use_mad=false), over many groups at once.
 
     x, w: (g, n) values and weights -> (scale (g,), min (g,)) with x ~ scale*L - min,
-    L in 0..nmax, min >= 0. Starts from the min/max grid and tries nstep other
-    grids, each refined by weighted least squares for (scale, min).
+    L in 0..nmax, min >= 0. Starts from the min/max grid and tries nstep+1 other
+    grids, each refined by weighted least squares for (scale, min); keeps the
+    fit of least weighted squared error.
     """
     f32 = np.float32
     xmin = np.minimum(x.min(axis=1), f32(0))              # (g,) the offset is never positive
     xmax = x.max(axis=1)
     flat = xmax == xmin
     rng = np.where(flat, f32(1), xmax - xmin)
+    iscale = f32(nmax) / rng
+    scale = (f32(1) / iscale).astype(f32)
+    if nstep < 1:                                          # the min/max grid as is
+        return np.where(flat, f32(0), scale).astype(f32), -xmin
     sum_w = w.sum(axis=1)
     sum_x = (w * x).sum(axis=1)
 
-    def grid(iscale):                                      # -> L (g, n) float32
-        return np.clip(np.rint(iscale[:, None] * (x - xmin[:, None])), 0, nmax)
+    def grid(iscale, mn):                                  # -> L (g, n) float32
+        return np.clip(np.rint(iscale[:, None] * (x - mn[:, None])), 0, nmax)
+
+    def dot(a, b):                                         # row-wise sum(a*b): (g, n), (g, n) -> (g,)
+        return np.einsum("gi,gi->g", a, b)
 
     def err(scale, mn, L):
         diff = scale[:, None] * L + mn[:, None] - x
-        return (w * diff * diff).sum(axis=1)
+        return dot(w * diff, diff)
 
-    iscale = f32(nmax) / rng
-    scale = (f32(1) / iscale).astype(f32)
     mn = xmin.copy()
-    best = err(scale, mn, grid(iscale))
-    for step in range(nstep):
-        L = grid((f32(rmin + rdelta * step + nmax) / rng).astype(f32))
-        sum_l = (w * L).sum(axis=1)
-        sum_l2 = (w * L * L).sum(axis=1)
-        sum_xl = (w * L * x).sum(axis=1)
+    best = err(scale, mn, grid(iscale, mn))
+    for step in range(nstep + 1):
+        # like ggml, each grid spans [current min, max]: an accepted fit moves the min
+        span = xmax - mn
+        live = span > 0
+        L = grid((f32(rmin + rdelta * step + nmax) / np.where(live, span, f32(1))).astype(f32), mn)
+        wl = w * L
+        sum_l = wl.sum(axis=1)
+        sum_l2 = dot(wl, L)
+        sum_xl = dot(wl, x)
         D = sum_w * sum_l2 - sum_l * sum_l
-        ok = D > 0
+        ok = live & (D > 0)
         Ds = np.where(ok, D, f32(1))
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / Ds
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / Ds
@@ -231,9 +241,11 @@ def _quant_q4_k(x: np.ndarray, search: bool = True) -> np.ndarray:
     f32 = np.float32
     n = x.shape[0]
     xs = x.reshape(n * 8, 32)                                         # (n*8, 32)
-    av = np.sqrt((xs * xs).sum(axis=1, keepdims=True) / f32(32))
-    w = av + np.abs(xs)
-    scales, mins = _make_qkx2_quants(xs, w, 15, -1.0, 0.1, 20 if search else 0)
+    if search:
+        av = np.sqrt((xs * xs).sum(axis=1, keepdims=True) / f32(32))
+        scales, mins = _make_qkx2_quants(xs, av + np.abs(xs), 15, -1.0, 0.1, 20)
+    else:                                                             # weights only matter to the search
+        scales, mins = _make_qkx2_quants(xs, None, 15, -1.0, 0.1, 0)
     scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
     max_scale, max_min = scales.max(axis=1), mins.max(axis=1)        # (n,)
     inv_scale = np.where(max_scale > 0, f32(63) / np.where(max_scale > 0, max_scale, f32(1)), f32(0))
@@ -390,6 +402,17 @@ def row_bytes(qtype, n_cols: int) -> int:
 # public entry points                                                          #
 # --------------------------------------------------------------------------- #
 
+def _for_each_chunk(work: Callable[[int], None], starts: range) -> None:
+    """Run work(start) for every chunk start; chunks write disjoint output rows,
+    so threads can share them (the NumPy ufuncs inside release the GIL)."""
+    if _THREADS > 1 and len(starts) > 1:
+        with ThreadPoolExecutor(min(_THREADS, len(starts))) as ex:
+            list(ex.map(work, starts))          # list(): re-raises a worker's exception
+    else:
+        for s in starts:
+            work(s)
+
+
 def dequantize_rows(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
     """raw (rows, row_bytes) uint8 of qtype -> float32 (rows, n_cols)."""
     f = _format(qtype)
@@ -408,13 +431,7 @@ def dequantize_rows(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
         blocks = np.ascontiguousarray(raw[r0:r0 + step]).reshape(-1, f.type_size)
         out[r0:r0 + step] = f.dequantize_blocks(blocks).reshape(-1, n_cols)
 
-    starts = range(0, n_rows, step)
-    if _THREADS > 1 and len(starts) > 1:
-        with ThreadPoolExecutor(_THREADS) as ex:
-            list(ex.map(work, starts))
-    else:
-        for r0 in starts:
-            work(r0)
+    _for_each_chunk(work, range(0, n_rows, step))
     return out
 
 
@@ -453,9 +470,12 @@ def quantize(x: np.ndarray, qtype, search: bool = True) -> np.ndarray:
         raise MinferError(f"quantize {f.qtype.name}: input has NaN or Inf")
     out = np.empty((rows, rb), np.uint8)                                # (rows, row_bytes)
     step = max(1, (_CHUNK_ELEMS // 4) // cols)                          # keeps temporaries small
-    for r0 in range(0, rows, step):
+
+    def work(r0: int) -> None:
         blocks = x[r0:r0 + step].reshape(-1, f.block_size)
         out[r0:r0 + step] = f.quantize_blocks(blocks, search=search).reshape(-1, rb)
+
+    _for_each_chunk(work, range(0, rows, step))
     return out
 
 
