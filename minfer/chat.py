@@ -16,7 +16,8 @@ def apply_chat_template(template: str | None, messages: list[dict], bos_token: s
     """Render messages [{"role": ..., "content": ...}] with the model's template -> prompt text."""
     if not template:
         raise MinferError("this model has no chat template (tokenizer.chat_template); drop --chat")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,  # as HF transformers
+                                       extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise
     try:
         return env.from_string(template).render(
