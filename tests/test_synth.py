@@ -141,3 +141,60 @@ def test_tensor_bytes_real_shapes(name):
     assert np.isfinite(got).all()
     rel = np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want ** 2))
     assert rel < {Q.F32: 1e-7, Q.Q6_K: 0.04, Q.Q4_K: 0.12}[t.qtype], (name, rel)
+
+
+# --- the 7B twin (partial: the full 4.7 GB file is written on the GPU machine) ---
+
+TWIN_FILLED = ["blk.5.ffn_down.weight",      # q6_K 3584x18944: several row chunks, 2 workers
+               "blk.5.attn_k.weight", "blk.5.attn_v.bias", "output_norm.weight"]
+
+
+@pytest.fixture(scope="module")
+def twin_partial(tmp_path_factory):
+    from minfer.twin import make_twin
+    out = tmp_path_factory.mktemp("twin") / "twin.gguf"
+    return make_twin(HEADER_7B, out, seed=3, workers=2, tensors=TWIN_FILLED, progress=False)
+
+
+def test_twin_layout(twin_partial):
+    """The twin is the header, byte for byte, then the data: same table, same size."""
+    hdr = open_gguf(str(HEADER_7B), header_only=True)
+    tw = open_gguf(str(twin_partial))
+    assert twin_partial.stat().st_size == 4_683_073_248            # the real model's size (models/README.md)
+    head = HEADER_7B.read_bytes()
+    with open(twin_partial, "rb") as f:
+        assert f.read(len(head)) == head
+    assert list(tw.metadata.items()) == list(hdr.metadata.items())
+    assert [(t.name, t.qtype, t.shape, t.offset, t.nbytes) for t in tw.tensors.values()] == \
+           [(t.name, t.qtype, t.shape, t.offset, t.nbytes) for t in hdr.tensors.values()]
+
+
+def test_twin_data(twin_partial):
+    tw = open_gguf(str(twin_partial))
+    for name in TWIN_FILLED:
+        t = tw.tensors[name]
+        raw = np.asarray(tw.raw(name))
+        # the chunked, parallel write equals one in-process fill
+        assert np.array_equal(raw, tensor_bytes(name, t.shape, t.qtype, seed=3)), name
+        got = gguf.quants.dequantize(raw, t.qtype).reshape(t.n_rows, -1)
+        want = draw_rows(name, t.shape, 3, 0, t.n_rows)
+        rel = np.sqrt(np.mean((got - want) ** 2)) / np.sqrt(np.mean(want ** 2))
+        assert np.isfinite(got).all() and rel < 0.12, (name, rel)
+    assert not np.asarray(tw.raw("blk.6.ffn_down.weight")[:4]).any()      # not filled: zero
+
+
+def test_twin_verify_catches_corruption(twin_partial, tmp_path):
+    from minfer.errors import MinferError
+    from minfer.twin import verify_twin
+    verify_twin(twin_partial, HEADER_7B, seed=3, filled=TWIN_FILLED)
+    with pytest.raises(MinferError):          # wrong seed: the rows do not match their draw
+        verify_twin(twin_partial, HEADER_7B, seed=4, filled=TWIN_FILLED, n_rows=len(TWIN_FILLED))
+    with pytest.raises(MinferError):          # a tensor claimed filled but zero
+        verify_twin(twin_partial, HEADER_7B, seed=3, filled=TWIN_FILLED + ["blk.0.attn_q.weight"],
+                    n_rows=len(TWIN_FILLED) + 1)
+
+
+def test_twin_cli_bad_workers(capsys):
+    from minfer.cli import main
+    assert main(["twin", "--workers", "0", "-o", "/nonexistent/x.gguf"]) == 2
+    assert "workers" in capsys.readouterr().err
