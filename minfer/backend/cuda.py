@@ -121,8 +121,9 @@ class CUDABackend(Backend):
         """One line: what ran out, how much is in use, what to turn off."""
         free, total = cp.cuda.runtime.memGetInfo()
         planes = getattr(self.quant, "plane_bytes", 0) or 0
-        drop = (f"set MINFER_MMQ_Q6K_EXP=0 to drop the W_exp planes ({planes / 1e9:.2f} GB)"
-                if planes else "the W_exp planes are already off (MINFER_MMQ_Q6K_EXP=0)")
+        drop = (f"set MINFER_MMQ_Q6K_EXP=0 to drop the W_exp planes ({planes / 1e9:.2f} GB "
+                f"allocated so far; ~1.52 GB on the 7B)" if getattr(self.quant, "exp_env", True)
+                else "the W_exp planes are already off (MINFER_MMQ_Q6K_EXP=0)")
         return MinferError(f"GPU out of memory while {what} ({free / 2**30:.2f} of "
                            f"{total / 2**30:.2f} GiB free): {drop} or use a smaller -c")
 
@@ -167,78 +168,29 @@ class CUDABackend(Backend):
         return self._guard("running a linear layer", self.quant.linear, x, w, bias=bias, out=out)
 
     def rmsnorm(self, x, w, eps: float, out=None):
-        """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w  (T, d)"""
-        _f32(x, "rmsnorm x", 2)
-        _f32(w, "rmsnorm w", 1)
-        T, d = x.shape
-        if w.shape[0] != d:
-            raise ValueError(f"rmsnorm: weight has {w.shape[0]} elements, rows have {d}")
-        y = self._guard("running rmsnorm", _out, out, (T, d), "rmsnorm out")   # (T, d)
-        if T:
-            _fn("norm.cu", "rmsnorm_f32")((T,), (NORM_THREADS,),
-                                          (x, w, y, np.int32(d), np.float32(eps)))
-        return y
+        return self._guard("running rmsnorm", rmsnorm, x, w, eps, out=out)
 
     def rope(self, x, pos0: int, out=None):
-        """x (T, n_heads, hd) at positions pos0.. -> rotated (T, n_heads, hd); out may be x"""
-        _f32(x, "rope x", 3)
-        T, n_heads, hd = x.shape
-        if hd != self.cfg.head_dim:
-            raise ValueError(f"rope: head dim {hd}, model has {self.cfg.head_dim}")
-        if self._cos_sin is None or pos0 + T > self._cos_sin.shape[0]:
-            raise MinferError(f"RoPE positions up to {pos0 + T} exceed the cache built by "
-                              f"new_cache ({0 if self._cos_sin is None else self._cos_sin.shape[0]})")
-        y = self._guard("running rope", _out, out, x.shape, "rope out")       # (T, n_heads, hd)
-        n_pairs = T * n_heads * (hd // 2)
-        if n_pairs:
-            _fn("rope.cu", "rope_f32")(((n_pairs + EW_THREADS - 1) // EW_THREADS,), (EW_THREADS,),
-                                       (x, y, self._cos_sin, np.int32(T), np.int32(n_heads),
-                                        np.int32(hd), np.int32(pos0), np.int32(self.cfg.rope_neox)))
-        return y
+        if self._cos_sin is None or pos0 + x.shape[0] > self._cos_sin.shape[0]:
+            have = 0 if self._cos_sin is None else self._cos_sin.shape[0]
+            raise MinferError(f"RoPE positions up to {pos0 + x.shape[0]} exceed the "
+                              f"{have} positions prepared by new_cache")
+        if x.shape[-1] != self.cfg.head_dim:
+            raise ValueError(f"rope: head dim {x.shape[-1]}, model has {self.cfg.head_dim}")
+        return self._guard("running rope", rope, x, self._cos_sin, pos0, self.cfg.rope_neox, out=out)
 
     def attention(self, q, k, v, cache, layer: int, pos0: int, out=None):
-        """q (T, n_head, hd), k/v (T, n_kv, hd): stores k/v in cache[layer] at
-        pos0..pos0+T-1, then causal GQA attention -> (T, n_head*hd)"""
         cfg = self.cfg
-        T = q.shape[0]
-        _f32(q, "attention q", 3)
-        if q.shape != (T, cfg.n_head, cfg.head_dim):
-            raise ValueError(f"attention: q shape {q.shape}")
-        for a, nm in ((k, "k"), (v, "v")):
-            if a.shape != (T, cfg.n_head_kv, cfg.head_dim) or a.dtype != cp.float32:
-                raise ValueError(f"attention: {nm} shape {a.shape} dtype {a.dtype}")
-        if not (0 <= pos0 and pos0 + T <= cache.n_ctx):
-            raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {cache.n_ctx}")
-        cache.k[layer, pos0:pos0 + T] = k                                    # (T, n_kv, hd)
-        cache.v[layer, pos0:pos0 + T] = v
-        y = self._guard("running attention", _out, out, (T, cfg.n_head * cfg.head_dim),
-                        "attention out")                                     # (T, n_head*hd)
-        kl, vl = cache.k[layer], cache.v[layer]                              # (n_ctx, n_kv, hd) views
-        _fn("attention.cu", f"attention_f32<{cfg.head_dim}>", _ATT_INSTANCES)(
-            ((T + ATT_BQ - 1) // ATT_BQ, cfg.n_head), (ATT_THREADS,),
-            (q, kl, vl, y, np.int32(T), np.int32(cfg.n_head), np.int32(cfg.n_head_kv),
-             np.int32(pos0), np.float32(1.0 / math.sqrt(cfg.head_dim))))
-        return y
+        if q.shape[1:] != (cfg.n_head, cfg.head_dim) or k.shape[1:] != (cfg.n_head_kv, cfg.head_dim):
+            raise ValueError(f"attention: q {q.shape}, k {k.shape} do not match the model's heads")
+        return self._guard("running attention", attention, q, k, v,
+                           cache.k[layer], cache.v[layer], pos0, out=out)
 
     def swiglu(self, gate, up, out=None):
-        """gate, up (T, d_ff) -> silu(gate) * up (T, d_ff)"""
-        _f32(gate, "swiglu gate")
-        _f32(up, "swiglu up")
-        if gate.shape != up.shape:
-            raise ValueError(f"swiglu: gate {gate.shape} vs up {up.shape}")
-        y = self._guard("running swiglu", _out, out, gate.shape, "swiglu out")
-        _launch_ew("swiglu_f32", gate.size, (gate, up, y, np.int64(gate.size)))
-        return y
+        return self._guard("running swiglu", swiglu, gate, up, out=out)
 
     def add(self, a, b, out=None):
-        """a + b, same shape (residual add); out may be a"""
-        _f32(a, "add a")
-        _f32(b, "add b")
-        if a.shape != b.shape:
-            raise ValueError(f"add: {a.shape} vs {b.shape}")
-        y = self._guard("running add", _out, out, a.shape, "add out")
-        _launch_ew("add_f32", a.size, (a, b, y, np.int64(a.size)))
-        return y
+        return self._guard("running add", add, a, b, out=out)
 
     def rows(self, x, start: int, stop: int):
         return x[start:stop]          # contiguous: a range of whole rows
@@ -270,3 +222,90 @@ def _launch_ew(name: str, n: int, args) -> None:
         return
     blocks = min((n + EW_THREADS - 1) // EW_THREADS, 65535)
     _fn("elementwise.cu", name)((blocks,), (EW_THREADS,), args)
+
+
+# --- one wrapper per kernel --------------------------------------------------
+def rmsnorm(x, w, eps: float, out=None):
+    """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w  (T, d)"""
+    _f32(x, "rmsnorm x", 2)
+    _f32(w, "rmsnorm w", 1)
+    T, d = x.shape
+    if w.shape[0] != d:
+        raise ValueError(f"rmsnorm: weight has {w.shape[0]} elements, rows have {d}")
+    y = _out(out, (T, d), "rmsnorm out")                                     # (T, d)
+    if T:
+        _fn("norm.cu", "rmsnorm_f32")((T,), (NORM_THREADS,), (x, w, y, np.int32(d), np.float32(eps)))
+    return y
+
+
+def rope(x, cos_sin, pos0: int, neox: bool, out=None):
+    """x (T, n_heads, hd) at positions pos0.., cos_sin (n_pos, hd/2, 2) ->
+    rotated (T, n_heads, hd); NeoX halves or adjacent pairs; out may be x"""
+    _f32(x, "rope x", 3)
+    _f32(cos_sin, "rope cos_sin", 3)
+    T, n_heads, hd = x.shape
+    if hd % 2 or cos_sin.shape[1:] != (hd // 2, 2):
+        raise ValueError(f"rope: table {cos_sin.shape} does not fit head dim {hd}")
+    if pos0 < 0 or pos0 + T > cos_sin.shape[0]:
+        raise ValueError(f"rope: positions {pos0}..{pos0 + T - 1} outside the table of {cos_sin.shape[0]}")
+    y = _out(out, x.shape, "rope out")                                       # (T, n_heads, hd)
+    n_pairs = T * n_heads * (hd // 2)
+    if n_pairs:
+        _fn("rope.cu", "rope_f32")(((n_pairs + EW_THREADS - 1) // EW_THREADS,), (EW_THREADS,),
+                                   (x, y, cos_sin, np.int32(T), np.int32(n_heads), np.int32(hd),
+                                    np.int32(pos0), np.int32(bool(neox))))
+    return y
+
+
+def attention(q, k, v, k_cache, v_cache, pos0: int, out=None):
+    """q (T, n_head, hd), k/v (T, n_kv, hd); k_cache/v_cache: one layer's
+    (n_ctx, n_kv, hd). Stores k/v at pos0..pos0+T-1, then causal GQA attention
+    over keys 0..pos0+t for query t -> (T, n_head*hd). No T x T buffer: the
+    kernel streams key tiles (online softmax)."""
+    _f32(q, "attention q", 3)
+    _f32(k_cache, "attention k_cache", 3)
+    _f32(v_cache, "attention v_cache", 3)
+    T, n_head, hd = q.shape
+    n_ctx, n_kv, _ = k_cache.shape
+    if hd not in ATT_HEAD_DIMS:
+        raise ValueError(f"attention: head dim {hd} not in {ATT_HEAD_DIMS}")
+    if n_kv < 1 or n_head % n_kv:
+        raise ValueError(f"attention: {n_head} query heads do not group over {n_kv} KV heads")
+    for a, nm in ((k, "k"), (v, "v")):
+        if a.shape != (T, n_kv, hd) or a.dtype != cp.float32:
+            raise ValueError(f"attention: {nm} has shape {a.shape} {a.dtype}, expected {(T, n_kv, hd)} float32")
+    if v_cache.shape != k_cache.shape or k_cache.shape[2] != hd:
+        raise ValueError(f"attention: caches {k_cache.shape} / {v_cache.shape} vs head dim {hd}")
+    if pos0 < 0 or pos0 + T > n_ctx:
+        raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {n_ctx}")
+    k_cache[pos0:pos0 + T] = k                                               # (T, n_kv, hd)
+    v_cache[pos0:pos0 + T] = v
+    y = _out(out, (T, n_head * hd), "attention out")                         # (T, n_head*hd)
+    if T:
+        _fn("attention.cu", f"attention_f32<{hd}>", _ATT_INSTANCES)(
+            ((T + ATT_BQ - 1) // ATT_BQ, n_head), (ATT_THREADS,),
+            (q, k_cache, v_cache, y, np.int32(T), np.int32(n_head), np.int32(n_kv),
+             np.int32(pos0), np.float32(1.0 / math.sqrt(hd))))
+    return y
+
+
+def swiglu(gate, up, out=None):
+    """gate, up (T, d_ff) -> silu(gate) * up (T, d_ff)"""
+    _f32(gate, "swiglu gate")
+    _f32(up, "swiglu up")
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {gate.shape} vs up {up.shape}")
+    y = _out(out, gate.shape, "swiglu out")
+    _launch_ew("swiglu_f32", gate.size, (gate, up, y, np.int64(gate.size)))
+    return y
+
+
+def add(a, b, out=None):
+    """a + b, same shape (residual add); out may be a"""
+    _f32(a, "add a")
+    _f32(b, "add b")
+    if a.shape != b.shape:
+        raise ValueError(f"add: {a.shape} vs {b.shape}")
+    y = _out(out, a.shape, "add out")
+    _launch_ew("add_f32", a.size, (a, b, y, np.int64(a.size)))
+    return y

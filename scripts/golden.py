@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Golden greedy streams: byte-identity regression of the CUDA engine.
+
+    python scripts/golden.py --update [--out DIR]   # write tests/golden/<name>.json (GPU)
+    python scripts/golden.py                        # re-run, compare byte for byte (exit 1 + diff)
+    python scripts/golden.py --report FILE          # re-run, write streams + launch counters (tests)
+
+A synthetic qwen2 model (minfer.synth, fixed seed; the same arguments give the
+same bytes) is generated once into --model-dir, then each fixed prompt is
+greedily decoded on the CUDA backend with EOS ignored. n_predict starts at
+N_PREDICT and grows by 16 until the text is at least MIN_CHARS characters
+(seed §4: the byte-identity gate is a 178-character stream).
+Each file: {"model": synth params + seed, "prompt", "prompt_ids", "n_predict",
+"token_ids", "text"}.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GOLDEN_DIR = ROOT / "tests" / "golden"
+SYNTH = {"n_layer": 3, "d_model": 512, "n_head": 4, "n_head_kv": 2, "d_ff": 1280,
+         "seed": 20261129, "arch": "qwen2"}
+PROMPTS = {
+    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "prose": "The quick brown fox jumps over the lazy dog. In the beginning",
+    "chat": "<|im_start|>user\nWrite a haiku about GPUs.<|im_end|>\n<|im_start|>assistant\n",
+    "digits": "1, 1, 2, 3, 5, 8, 13, 21,",
+}
+N_PREDICT = 48
+MIN_CHARS = 178
+N_CTX = 512
+
+
+def synth_model(model_dir: Path, params: dict = SYNTH) -> Path:
+    """The synthetic model for `params`, generated once (same params, same bytes)."""
+    from minfer.synth import write_synthetic
+
+    p = dict(params)
+    name = "synth-{arch}-L{n_layer}-d{d_model}-h{n_head}-{n_head_kv}-f{d_ff}-s{seed}.gguf".format(**p)
+    path = Path(model_dir) / name
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        write_synthetic(tmp, **p)
+        os.replace(tmp, path)
+    return path
+
+
+def greedy(engine, prompt_ids: list[int], n_predict: int) -> list[int]:
+    from minfer.generate import generate
+
+    cache = engine.new_cache(N_CTX)
+    return [int(t) for t in generate(engine, prompt_ids, n_predict, ignore_eos=True, cache=cache)]
+
+
+def make_stream(engine, prompt: str, n_predict: int | None = None) -> dict:
+    """Greedy stream for one prompt; n_predict None = grow until MIN_CHARS."""
+    tok = engine.tokenizer
+    ids = [int(i) for i in tok.encode(prompt)]
+    n = n_predict or N_PREDICT
+    while True:
+        out = greedy(engine, ids, n)
+        text = tok.decode(out)
+        if n_predict is not None or len(text) >= MIN_CHARS:
+            break
+        n += 16
+    return {"model": dict(SYNTH), "prompt": prompt, "prompt_ids": ids, "n_predict": n,
+            "token_ids": out, "text": text}
+
+
+def load_golden(golden_dir: Path = GOLDEN_DIR) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text(encoding="utf-8"))
+            for p in sorted(Path(golden_dir).glob("*.json"))}
+
+
+def dump(rec: dict) -> str:
+    return json.dumps(rec, indent=1, ensure_ascii=False) + "\n"
+
+
+def compare(name: str, want: dict, got: dict) -> list[str]:
+    """Byte-for-byte: token ids and the UTF-8 text; -> lines of diff (empty if equal)."""
+    lines = []
+    if got["prompt_ids"] != want["prompt_ids"]:
+        lines.append(f"{name}: prompt ids differ (tokenizer changed): "
+                     f"{want['prompt_ids']} -> {got['prompt_ids']}")
+    if got["token_ids"] != want["token_ids"]:
+        k = next((i for i, (a, b) in enumerate(zip(want["token_ids"], got["token_ids"])) if a != b),
+                 min(len(want["token_ids"]), len(got["token_ids"])))
+        lines.append(f"{name}: token ids differ from index {k}: golden {want['token_ids'][k:k + 8]} "
+                     f"vs now {got['token_ids'][k:k + 8]}")
+    if got["text"].encode() != want["text"].encode():
+        lines += difflib.unified_diff(want["text"].splitlines(), got["text"].splitlines(),
+                                      f"golden/{name}", f"now/{name}", lineterm="")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--update", action="store_true", help="regenerate the golden files")
+    ap.add_argument("--out", type=Path, default=GOLDEN_DIR, help="where --update writes")
+    ap.add_argument("--golden", type=Path, default=GOLDEN_DIR, help="golden files to check against")
+    ap.add_argument("--report", type=Path, help="write the streams and launch counters as JSON")
+    ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MINFER_CACHE", "/tmp/minfer-golden")))
+    ap.add_argument("--backend", default="cuda")
+    args = ap.parse_args(argv)
+
+    from minfer.engine import Engine
+    from minfer.errors import MinferError
+
+    try:
+        engine = Engine.load(synth_model(args.model_dir), backend=args.backend, n_ctx=N_CTX,
+                             progress=False)
+        quant = getattr(engine.backend, "quant", None)
+        if quant is not None:
+            quant.reset_counters()
+        if args.update:
+            args.out.mkdir(parents=True, exist_ok=True)
+            for name, prompt in PROMPTS.items():
+                rec = make_stream(engine, prompt)
+                (args.out / f"{name}.json").write_text(dump(rec), encoding="utf-8")
+                print(f"{name}: {len(rec['token_ids'])} tokens, {len(rec['text'])} chars -> "
+                      f"{args.out / (name + '.json')}")
+            return 0
+        golden = load_golden(args.golden)
+        if not golden:
+            print(f"no golden files in {args.golden}; run with --update first", file=sys.stderr)
+            return 1
+        got = {name: make_stream(engine, rec["prompt"], rec["n_predict"]) for name, rec in golden.items()}
+    except MinferError as e:
+        print(f"golden: error: {e}", file=sys.stderr)
+        return 2
+    if args.report:
+        rep = {"streams": got,
+               "counters": dict(quant.counters()) if quant is not None else None,
+               "plane_bytes": int(getattr(quant, "plane_bytes", 0) or 0) if quant is not None else None}
+        args.report.write_text(json.dumps(rep, ensure_ascii=False), encoding="utf-8")
+    bad = []
+    for name, rec in golden.items():
+        if rec["model"] != SYNTH:
+            bad.append(f"{name}: made with model {rec['model']}, this script builds {SYNTH}")
+        bad += compare(name, rec, got[name])
+    for name in golden:
+        print(f"{name}: {'OK' if not compare(name, golden[name], got[name]) else 'MISMATCH'} "
+              f"({len(got[name]['token_ids'])} tokens, {len(got[name]['text'])} chars)")
+    if bad:
+        print("\n".join(bad))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: install what it lacks (the carried gguf wheel),
+# run the GPU tests, the SASS check, the golden byte-identity check and a short
+# benchmark; logs go under $OUT (when set) and a summary table is printed LAST.
+#
+#   bash scripts/gpu_check.sh              # from the repository root
+#   GOLDEN_UPDATE=1 bash scripts/gpu_check.sh   # (re)make tests/golden first, copies to $OUT/golden
+#
+# Exit status: non-zero if any step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+LOG=${OUT:-/tmp/minfer-gpu-check}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+export MINFER_SKIP_MODEL_TESTS=1              # the real model cannot travel to this machine
+export MINFER_CACHE=${MINFER_CACHE:-/tmp/minfer-cache}   # the synthetic model, made once, shared by the steps
+export MINFER_REPORT_DIR=$LOG                 # test_parity.py appends its measured figures here
+mkdir -p "$MINFER_CACHE"
+
+STEPS=()
+declare -A STATUS NOTE
+FAILED=0
+record() {   # step status note
+    STEPS+=("$1"); STATUS[$1]=$2; NOTE[$1]=$3
+    [ "$2" = FAIL ] && FAILED=1
+    echo "=== $1: $2 ${3}"
+}
+
+# 1. the gguf wheel (nothing can be fetched here)
+if ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >"$LOG/install.log" 2>&1; then
+    record install ok "$(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
+else
+    record install FAIL "see install.log (carry .whl with the gguf wheel)"
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi -L | tee "$LOG/gpu.txt"
+python3 -c "import cupy, gguf; print('cupy', cupy.__version__, 'gguf ok')" 2>&1 | tee -a "$LOG/gpu.txt"
+
+# 2. golden files: made here when asked or when there are none yet
+if [ "${GOLDEN_UPDATE:-0}" = 1 ] || ! ls tests/golden/*.json >/dev/null 2>&1; then
+    if timeout 300 python3 scripts/golden.py --update --out tests/golden >"$LOG/golden_update.log" 2>&1; then
+        mkdir -p "$LOG/golden" && cp tests/golden/*.json "$LOG/golden/"
+        record golden-update ok "$(ls tests/golden/*.json | wc -l) streams -> \$OUT/golden"
+    else
+        record golden-update FAIL "see golden_update.log"
+    fi
+fi
+
+# 3. the GPU tests
+timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ >"$LOG/pytest_gpu.log" 2>&1
+rc=$?
+sum=$(tail -n 1 "$LOG/pytest_gpu.log")
+[ $rc = 0 ] && record pytest-gpu ok "$sum" || record pytest-gpu FAIL "$sum"
+grep -E "^(FAILED|ERROR)" "$LOG/pytest_gpu.log" | head -20
+
+# 4. SASS check (LDGSTS in the EXP=true MMQ build)
+if [ -f scripts/sass_check.py ]; then
+    timeout 180 python3 scripts/sass_check.py >"$LOG/sass.log" 2>&1
+    rc=$?
+    [ $rc = 0 ] && record sass ok "$(tail -n 1 "$LOG/sass.log")" || record sass FAIL "$(tail -n 1 "$LOG/sass.log")"
+else
+    record sass FAIL "scripts/sass_check.py missing"
+fi
+
+# 5. golden byte identity (check mode)
+timeout 300 python3 scripts/golden.py --model-dir "$MINFER_CACHE" >"$LOG/golden.log" 2>&1
+rc=$?
+[ $rc = 0 ] && record golden ok "$(grep -c ': OK' "$LOG/golden.log") streams identical" \
+             || record golden FAIL "$(grep -m1 -E 'MISMATCH|error' "$LOG/golden.log")"
+
+# 6. short benchmark: prefill 512 and 3325 tokens, 32 decode steps, on the synthetic model
+SYNTH=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import golden; print(golden.synth_model('$MINFER_CACHE'))" 2>"$LOG/bench.log")
+if [ -f minfer/bench.py ] && [ -n "$SYNTH" ]; then
+    timeout 300 python3 -m minfer bench -m "$SYNTH" -p 512,3325 -r 5 -n 32 >>"$LOG/bench.log" 2>&1
+    rc=$?
+    pp=$(grep -E '\| pp512 \|' "$LOG/bench.log" | head -1 | awk -F'|' '{print $(NF-1)}')
+    [ $rc = 0 ] && record bench ok "pp512 ${pp} t/s (synthetic L3 d512)" || record bench FAIL "see bench.log"
+else
+    record bench FAIL "no minfer/bench.py or no synthetic model"
+fi
+cat "$LOG/bench.log" | tail -n 40
+[ -f "$LOG/parity.txt" ] && cat "$LOG/parity.txt"
+
+# summary, last
+{
+    echo
+    echo "| step | status | key number |"
+    echo "| --- | --- | --- |"
+    for s in "${STEPS[@]}"; do echo "| $s | ${STATUS[$s]} | ${NOTE[$s]} |"; done
+} | tee "$LOG/summary.md"
+exit $FAILED
