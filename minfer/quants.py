@@ -11,7 +11,8 @@ INTERFACE (implemented by the quants work; other modules rely on exactly this):
     SUPPORTED: frozenset of GGMLQuantizationType (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)
     dequantize(raw: np.ndarray uint8 (rows, row_bytes) or flat, qtype, shape) -> float32 ndarray of `shape`
     dequantize_rows(raw (rows, row_bytes) uint8, qtype, n_cols) -> float32 (rows, n_cols)
-    quantize(x: float32 (rows, cols), qtype) -> uint8 (rows, row_bytes)    # Q4_K, Q6_K, Q8_0, F16, F32
+    quantize(x: float32 (rows, cols), qtype, search=True) -> uint8 (rows, row_bytes)  # Q4_K, Q6_K, Q8_0, F16, F32
+    row_bytes(qtype, n_cols) -> int                                        # bytes of one row
     pad_q6k(raw: uint8 (rows, nb*210)) -> uint8 (rows, nb*224)             # zero-filled padding
     expand_q6k_dense(padded: uint8 (rows, nb*224) or flat, od, id) -> int8 (od, id)
         # W_exp: (ql | qh<<4) - 32 per element, row stride id, super-block stride 256
@@ -19,6 +20,8 @@ INTERFACE (implemented by the quants work; other modules rely on exactly this):
 Details beyond the block above:
 - `shape` is in numpy order (last dim = ggml ne[0] = the contiguous row).
 - Results are new, writable arrays (never views of a memmap).
+- Large inputs are processed in chunks of rows on a few threads (NumPy releases
+  the GIL); results do not depend on the chunking.
 - `quantize(x, qtype, search=True)`: search=False skips the iterative scale
   search of the k-quants (ggml's make_qkx2_quants / make_qx_quants loops) and
   keeps only their first guess: valid blocks, larger error, several times faster.
@@ -110,7 +113,10 @@ def _deq_kquant(b: np.ndarray, q: np.ndarray) -> np.ndarray:
     sc, m = _kquant_scales(b[:, 4:4 + K_SCALE_SIZE])     # (n, 8)
     dsc = (d * sc.astype(np.float32))[:, :, None]        # (n, 8, 1)
     dm = (dmin * m.astype(np.float32))[:, :, None]       # (n, 8, 1)
-    return (dsc * q.astype(np.float32) - dm).reshape(-1, QK_K)
+    y = q.astype(np.float32)                             # (n, 8, 32)
+    y *= dsc                                             # in place: same two roundings as gguf
+    y -= dm
+    return y.reshape(-1, QK_K)
 
 
 def _deq_q4_k(b: np.ndarray) -> np.ndarray:
@@ -144,10 +150,10 @@ def _q6k_centered(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
 def _deq_q6_k(b: np.ndarray) -> np.ndarray:
     # block_q6_K: ql[128] | qh[64] | scales int8[16] | d (f16); scale j covers
     # elements 16j..16j+15
-    q = _q6k_centered(b[:, 0:128], b[:, 128:192]).astype(np.float32)
+    y = _q6k_centered(b[:, 0:128], b[:, 128:192]).astype(np.float32).reshape(-1, 16, 16)
     sc = b[:, 192:208].view(np.int8).astype(np.float32)               # (n, 16)
-    dsc = (_f16(b[:, 208:210]) * sc)[:, :, None]                      # (n, 16, 1)
-    return (dsc * q.reshape(-1, 16, 16)).reshape(-1, QK_K)
+    y *= (_f16(b[:, 208:210]) * sc)[:, :, None]                       # (d*sc) * q, (n, 16, 1)
+    return y.reshape(-1, QK_K)
 
 
 # --------------------------------------------------------------------------- #
@@ -342,6 +348,9 @@ def _quant_q8_0(x: np.ndarray, search: bool = True) -> np.ndarray:
 
 
 def _quant_f16(x: np.ndarray, search: bool = True) -> np.ndarray:
+    big = float(np.abs(x).max(initial=0.0))
+    if big > np.finfo(np.float16).max:                 # would silently become inf
+        raise MinferError(f"quantize F16: |x| up to {big:g} exceeds the f16 range (65504)")
     return x.astype(np.float16).view(np.uint8)
 
 

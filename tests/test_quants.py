@@ -98,6 +98,8 @@ def test_bad_input_is_a_minfer_error():
         quants.quantize(np.ones((1, 256), np.float32), QT.Q5_K)
     with pytest.raises(MinferError, match="NaN or Inf"):
         quants.quantize(np.full((1, 256), np.nan, np.float32), QT.Q4_K)
+    with pytest.raises(MinferError, match="exceeds the f16 range"):
+        quants.quantize(np.full((2, 3), 1e5, np.float32), QT.F16)
     with pytest.raises(MinferError, match="multiple of 256"):
         quants.expand_q6k_dense(np.zeros(224, np.uint8), 1, 200)
 
