@@ -1,0 +1,253 @@
+"""`minfer bench`: prefill and decode throughput, load time, device memory, launch paths.
+
+Every number printed is measured in this process; none is computed from
+another, except tokens/s = tokens / measured seconds and the W_exp plane sum
+od x id, which is shown beside the measured plane allocation as the check of
+it (seed §5: a memory price must be summed over the tensor inventory).
+
+Timing: CUDA events around `engine.model.forward(...)` on the CUDA backend
+(the forward ends with the logits' device-to-host copy, so the end event is
+recorded after all of its work), perf_counter on the CPU backend. Each test
+runs once untimed (warm-up: kernel compilation, memory pool growth), then r
+timed repetitions; prompt ids are seeded random ids in the vocabulary; every
+prefill starts at position 0 of one cache allocated once (DESIGN.md: no
+per-step allocations), so each repetition overwrites the same positions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import MinferError
+
+DECODE_PROMPT = 16     # tokens prefilled before the timed decode steps
+
+
+# --- timing -------------------------------------------------------------------
+
+class Timer:
+    """Seconds of device work between start() and stop(): CUDA events on the CUDA
+    backend, perf_counter (after synchronize) elsewhere."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.cuda = backend.name == "cuda"
+        if self.cuda:
+            import cupy
+            self._cupy = cupy
+            self._t0, self._t1 = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def start(self) -> None:
+        self.backend.synchronize()
+        if self.cuda:
+            self._t0.record()
+        else:
+            self._s = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self._t1.record()
+            self._t1.synchronize()
+            return self._cupy.cuda.get_elapsed_time(self._t0, self._t1) / 1e3
+        self.backend.synchronize()
+        return time.perf_counter() - self._s
+
+
+def prompt_ids(vocab: int, n: int, seed: int) -> np.ndarray:
+    """n seeded random token ids in [0, vocab) -> int32 (n,)"""
+    return np.random.default_rng(seed).integers(0, vocab, size=n, dtype=np.int32)
+
+
+def time_prefill(engine, cache, tokens: np.ndarray, timer: Timer) -> float:
+    """Seconds for one prefill of `tokens` from position 0 (LM head on the last position)."""
+    timer.start()
+    engine.model.forward(tokens, 0, cache)
+    return timer.stop()
+
+
+def time_decode(engine, cache, prompt: np.ndarray, n: int, timer: Timer) -> float:
+    """Prefill `prompt` (untimed), then seconds for n greedy single-token decode steps."""
+    logits = engine.model.forward(prompt, 0, cache)[-1]
+    pos = len(prompt)
+    timer.start()
+    for _ in range(n):
+        logits = engine.model.decode(int(np.argmax(logits)), pos, cache)
+        pos += 1
+    return timer.stop()
+
+
+def summary(n_tokens: int, seconds: list[float]) -> dict:
+    """Per-repetition tokens/s and their median, min, max, stdev."""
+    tps = [n_tokens / s for s in seconds]
+    return {"n_tokens": n_tokens, "reps": len(seconds), "seconds": seconds, "tok_s": tps,
+            "median": statistics.median(tps), "min": min(tps), "max": max(tps),
+            "stdev": statistics.stdev(tps) if len(tps) > 1 else 0.0}
+
+
+# --- memory -------------------------------------------------------------------
+
+def cache_bytes(cache) -> int:
+    """Bytes of the arrays a KV cache holds (numpy or cupy), measured on the object."""
+    return int(sum(getattr(v, "nbytes", 0) for v in vars(cache).values()
+                   if hasattr(v, "nbytes") and hasattr(v, "dtype")))
+
+
+def memory(engine, cache) -> dict:
+    """Device memory by kind (CUDA), or the process's peak resident set (CPU)."""
+    out: dict = {"kv_cache": cache_bytes(cache)}
+    be = engine.backend
+    quant = getattr(be, "quant", None)
+    if quant is not None:
+        out["by_kind"] = {k: int(v) for k, v in quant.memory_report().items()}
+        out["w_exp_planes"] = int(quant.plane_bytes)          # measured allocation
+        out["w_exp_plane_sum_odid"] = int(quant.plane_sum_odid)   # od*id over the planes (computed)
+    if be.name == "cuda":
+        import cupy
+        pool = cupy.get_default_memory_pool()
+        free, total = cupy.cuda.runtime.memGetInfo()
+        out["pool_used"] = int(pool.used_bytes())
+        out["pool_total"] = int(pool.total_bytes())
+        out["device_used"] = int(total - free)
+        out["device_total"] = int(total)
+    else:
+        import resource
+        out["host_peak_rss"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return out
+
+
+def counters(engine) -> dict | None:
+    quant = getattr(engine.backend, "quant", None)
+    return dict(quant.counters()) if quant is not None and hasattr(quant, "counters") else None
+
+
+# --- the command ----------------------------------------------------------------
+
+def parse_lengths(s: str) -> list[int]:
+    try:
+        v = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise MinferError(f"-p expects comma-separated token counts like 512,3325, got {s!r}") from None
+    if not v or min(v) < 1:
+        raise MinferError(f"-p expects positive token counts, got {s!r}")
+    return v
+
+
+def add_arguments(p) -> None:
+    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+    p.add_argument("-p", "--prompt-lengths", default="512,3325",
+                   help="comma-separated prefill lengths (default 512,3325)")
+    p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions per test (default 5)")
+    p.add_argument("-n", "--n-decode", type=int, default=128,
+                   help="decode steps for the tg test (0: none; default 128)")
+    p.add_argument("--backend", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed: int = 0) -> dict:
+    from .engine import Engine
+
+    if reps < 1:
+        raise MinferError(f"-r must be at least 1, got {reps}")
+    if n_decode < 0:
+        raise MinferError(f"-n must be 0 or more, got {n_decode}")
+    n_ctx = max(max(lengths), DECODE_PROMPT + n_decode)
+    t0 = time.perf_counter()
+    engine = Engine.load(model, backend=backend, n_ctx=n_ctx, progress=False)
+    engine.backend.synchronize()
+    load_s = time.perf_counter() - t0          # file -> device, W_exp planes included
+    cache = engine.new_cache(n_ctx)
+    timer = Timer(engine.backend)
+    vocab = engine.cfg.vocab_size
+
+    quant = getattr(engine.backend, "quant", None)
+    prompts = {P: prompt_ids(vocab, P, seed + i) for i, P in enumerate(lengths)}
+    dprompt = prompt_ids(vocab, DECODE_PROMPT, seed + len(lengths))
+    for tokens in prompts.values():                                     # warm-up, untimed
+        time_prefill(engine, cache, tokens, timer)
+    if n_decode:
+        time_decode(engine, cache, dprompt, min(n_decode, 4), timer)
+    if quant is not None:
+        quant.reset_counters()                 # count the timed launches only
+
+    tests = {}
+    for P, tokens in prompts.items():
+        tests[f"pp{P}"] = summary(P, [time_prefill(engine, cache, tokens, timer) for _ in range(reps)])
+    if n_decode:
+        tests[f"tg{n_decode}"] = summary(
+            n_decode, [time_decode(engine, cache, dprompt, n_decode, timer) for _ in range(reps)])
+
+    gf = engine.gf
+    return {
+        "model": str(model),
+        "model_name": Path(model).name,
+        "size_bytes": os.path.getsize(model),
+        "params": int(sum(t.n_elements for t in gf.tensors.values())),
+        "backend": engine.backend.name,
+        "seed": seed,
+        "n_ctx": n_ctx,
+        "load_s": load_s,
+        "tests": tests,
+        "memory": memory(engine, cache),
+        "counters": counters(engine),
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_report(r: dict) -> str:
+    size = _gib(r["size_bytes"])
+    params = f"{r['params'] / 1e9:.2f} B"
+    lines = [f"load: {r['load_s']:.2f} s (file to {r['backend']} memory, W_exp planes included where registered)", "",
+             "| model | size | params | backend | test | t/s |",
+             "| --- | ---: | ---: | --- | ---: | ---: |"]
+    for name, t in r["tests"].items():
+        lines.append(f"| {r['model_name']} | {size} | {params} | {r['backend']} | {name} | "
+                     f"{t['median']:.2f} ± {t['stdev']:.2f} |")
+    lines += ["", "| test | reps | median t/s | min | max | stdev |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, t in r["tests"].items():
+        lines.append(f"| {name} | {t['reps']} | {t['median']:.2f} | {t['min']:.2f} | "
+                     f"{t['max']:.2f} | {t['stdev']:.2f} |")
+    m = r["memory"]
+    lines += ["", "| memory | bytes | |", "| --- | ---: | ---: |"]
+    for kind, v in m.get("by_kind", {}).items():
+        lines.append(f"| {kind} | {v:,} | {_gib(v)} |")
+    if "w_exp_planes" in m:
+        lines.append(f"| W_exp planes (allocated) | {m['w_exp_planes']:,} | "
+                     f"plane sum od×id = {m['w_exp_plane_sum_odid']:,} |")
+    labels = {"kv_cache": "KV cache", "pool_used": "memory pool used", "pool_total": "memory pool total",
+              "device_used": "device used (memGetInfo)", "device_total": "device total",
+              "host_peak_rss": "host peak RSS"}
+    for k, label in labels.items():
+        if k in m:
+            lines.append(f"| {label} | {m[k]:,} | {_gib(m[k])} |")
+    if r["counters"] is not None:
+        lines += ["", "| launch path | count (timed runs) |", "| --- | ---: |"]
+        lines += [f"| {k} | {v} |" for k, v in r["counters"].items()]
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    r = run(args.model, parse_lengths(args.prompt_lengths), args.reps, args.n_decode,
+            args.backend, args.seed)
+    print(json.dumps(r) if args.json else format_report(r))
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(prog="minfer bench", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    try:
+        sys.exit(main(ap.parse_args()))
+    except MinferError as e:
+        print(f"minfer: error: {e}", file=sys.stderr)
+        sys.exit(2)
