@@ -349,7 +349,7 @@ def _quant_q8_0(x: np.ndarray, search: bool = True) -> np.ndarray:
 
 def _quant_f16(x: np.ndarray, search: bool = True) -> np.ndarray:
     big = float(np.abs(x).max(initial=0.0))
-    if big > np.finfo(np.float16).max:                 # would silently become inf
+    if big > float(np.finfo(np.float16).max):          # would silently become inf
         raise MinferError(f"quantize F16: |x| up to {big:g} exceeds the f16 range (65504)")
     return x.astype(np.float16).view(np.uint8)
 
