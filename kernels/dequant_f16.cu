@@ -9,8 +9,9 @@
 //
 // Memory-bound: super-blocks of a row are contiguous and rows are contiguous, so
 // block b of the flattened weight covers outputs b*256 .. b*256+255 whatever the
-// row length. 16-byte loads and stores; indices in 64 bits (the 7B output weight
-// has 545M elements, 1.09 GB as f16).
+// row length. 16-byte stores, 8-byte loads of the quants (both lane-contiguous
+// across a warp); indices in 64 bits (the 7B output weight has 545M elements,
+// 1.09 GB as f16).
 //
 // Bytes moved per 256 outputs (read + write): q4_K 144 + 512, q6_K padded 224 + 512
 // (only the ql/qh/scale sectors each thread needs), q6_K from W_exp 256 + 32 + 512.
@@ -35,59 +36,67 @@ __device__ __forceinline__ u32 byte_of(const uint4& v, int k) {
     return (w >> (8 * (k & 3))) & 0xFF;
 }
 
-// q4_K (raw ggml blocks, 144 B) -> f16. One thread per 32-element sub-block j of
-// super-block b: 16 B header + 32 B of qs in, 64 B out.
-// w: (n_out, n_in/256*144) u8, y: (n_out, n_in) f16 bits, n_sub = n_out*n_in/32
+// 8 f32 -> 8 f16 in one 16-byte store
+__device__ __forceinline__ void store8_f16(u16* dst, const float v[8]) {
+    *(uint4*)dst = make_uint4(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]),
+                              pack_f16x2(v[4], v[5]), pack_f16x2(v[6], v[7]));
+}
+
+// Thread layout shared by the three kernels: one thread per 16 outputs, 16 threads
+// per super-block b. Thread c (0..15) writes the 8-element chunks c and c + 16, i.e.
+// elements 8c..8c+7 and 128+8c..128+8c+7 of the super-block: in each of its two
+// 16-byte stores the lanes of a warp cover 2 x 256 contiguous bytes (full sectors),
+// and the two chunks share their scale lookups' structure (below).
+
+// q4_K (raw ggml blocks, 144 B: d | dmin | scales[12] | qs[128]) -> f16.
+// Elements 32j..32j+31 (sub-block j) are nibble (j&1) of qs[32*(j/2) .. +31], with
+// 6-bit (sc, m) j of get_scale_min_k4. Chunk c lies in sub-block j = c/4 (0..3) and
+// chunk c+16 in sub-block j+4, 64 qs bytes further, same nibble.
+// w: (n_out, n_in/256*144) u8, y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
 extern "C" __global__ void __launch_bounds__(256)
-dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_sub) {
+dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_sub) return;
-    const long long b = i >> 3;
-    const int j = (int)(i & 7);
+    if (i >= n_grp) return;
+    const long long b = i >> 4;
+    const int c = (int)(i & 15);
+    const int j = c >> 2;                                    // 0..3; the second chunk: j + 4
     const u8* blk = w + b * Q4K_BYTES;                       // 144 = 9*16: aligned
     const uint4 hdr = *(const uint4*)blk;                    // d | dmin | scales[12]
-    // sub-block j: qs bytes 32*(j/2) .. +31, low nibble for even j, high for odd
-    const uint4* qs = (const uint4*)(blk + Q4K_QS + 32 * (j >> 1));
-    const uint4 q0 = qs[0], q1 = qs[1];
+    const int off = Q4K_QS + 32 * (j >> 1) + 8 * (c & 3);
+    const uint2 qa = *(const uint2*)(blk + off);             // sub-block j
+    const uint2 qb = *(const uint2*)(blk + off + 64);        // sub-block j + 4
     const int shift = 4 * (j & 1);
 
-    // get_scale_min_k4 on scales[12] = header bytes 4..15
-    int sc, m;
-    if (j < 4) {
-        sc = byte_of(hdr, 4 + j) & 63;
-        m = byte_of(hdr, 4 + j + 4) & 63;
-    } else {
-        sc = (byte_of(hdr, 4 + j + 4) & 0xF) | ((byte_of(hdr, 4 + j - 4) >> 6) << 4);
-        m = (byte_of(hdr, 4 + j + 4) >> 4) | ((byte_of(hdr, 4 + j) >> 6) << 4);
-    }
+    // get_scale_min_k4, scales[k] = header byte 4 + k
+    const u32 s_j = byte_of(hdr, 4 + j), s_j4 = byte_of(hdr, 8 + j), s_j8 = byte_of(hdr, 12 + j);
+    const int sc_a = s_j & 63, m_a = s_j4 & 63;                              // j < 4
+    const int sc_b = (s_j8 & 0xF) | ((s_j >> 6) << 4);                       // j + 4 >= 4
+    const int m_b = (s_j8 >> 4) | ((s_j4 >> 6) << 4);
     const float d = f16_to_f32((u16)(hdr.x & 0xFFFF));
     const float dmin = f16_to_f32((u16)(hdr.x >> 16));
-    const float dl = __fmul_rn(d, (float)sc);
-    const float ml = __fmul_rn(dmin, (float)m);
+    const float dl_a = __fmul_rn(d, (float)sc_a), ml_a = __fmul_rn(dmin, (float)m_a);
+    const float dl_b = __fmul_rn(d, (float)sc_b), ml_b = __fmul_rn(dmin, (float)m_b);
 
-    const u32 words[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-    u32 h[16];                                               // 32 f16 outputs
+    float va[8], vb[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
-        const u32 nib = (words[k] >> shift) & 0x0F0F0F0Fu;   // 4 elements 4k..4k+3
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            v[e] = __fsub_rn(__fmul_rn(dl, (float)((nib >> (8 * e)) & 0xF)), ml);
-        h[2 * k] = pack_f16x2(v[0], v[1]);
-        h[2 * k + 1] = pack_f16x2(v[2], v[3]);
+        const int sh = 8 * (k & 3) + shift;
+        const u32 na = ((k < 4 ? qa.x : qa.y) >> sh) & 0xF;
+        const u32 nb = ((k < 4 ? qb.x : qb.y) >> sh) & 0xF;
+        va[k] = __fsub_rn(__fmul_rn(dl_a, (float)na), ml_a);
+        vb[k] = __fsub_rn(__fmul_rn(dl_b, (float)nb), ml_b);
     }
-    uint4* dst = (uint4*)(y + b * QK_K + 32 * j);            // 64 B, 16-aligned
-#pragma unroll
-    for (int s = 0; s < 4; ++s) dst[s] = make_uint4(h[4 * s], h[4 * s + 1], h[4 * s + 2], h[4 * s + 3]);
+    u16* dst = y + b * QK_K + 8 * c;                         // 16-aligned
+    store8_f16(dst, va);
+    store8_f16(dst + 128, vb);
 }
 
 // q6_K element e (0..255) of a super-block (ggml dequantize_row_q6_K):
 //   half n = e/128, c4 = (e%128)/32, l = e%32
-//   ql byte 64n + 32*(c4&1) + l, nibble (c4>>1);  qh byte 32n + l, bits 2*c4..2*c4+1
-//   scale index e/16
-// One thread per 16 outputs c*16 .. c*16+15 (c = 0..15), so one ql, one qh run
-// of 16 bytes and one scale.
+//   q = (ql[64n + 32*(c4&1) + l] >> 4*(c4>>1)) & 0xF | ((qh[32n + l] >> 2*c4) & 3) << 4
+//   value d * scales[e/16] * (q - 32)
+// Chunk c (elements 8c..8c+7, half 0): c4 = c/4, l = 8*(c%4) + 0..7, scale c/2.
+// Chunk c+16 (half 1): the same with ql + 64, qh + 32, scale 8 + c/2.
 
 // q6_K padded (224 B stride) -> f16.  w: (n_out, n_in/256*224) u8,
 // y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
@@ -97,30 +106,32 @@ dequant_q6k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) 
     if (i >= n_grp) return;
     const long long b = i >> 4;
     const int c = (int)(i & 15);
-    const int n = c >> 3, c4 = (c >> 1) & 3, l0 = 16 * (c & 1);
+    const int c4 = c >> 2, l0 = 8 * (c & 3);
     const u8* blk = w + b * Q6K_PADDED;                      // 224 = 14*16: aligned
-    const uint4 ql = *(const uint4*)(blk + 64 * n + 32 * (c4 & 1) + l0);
-    const uint4 qh = *(const uint4*)(blk + Q6K_QH + 32 * n + l0);
+    const int ql_off = 32 * (c4 & 1) + l0;
+    const uint2 ql_a = *(const uint2*)(blk + ql_off);        // half 0
+    const uint2 ql_b = *(const uint2*)(blk + ql_off + 64);   // half 1
+    const uint2 qh_a = *(const uint2*)(blk + Q6K_QH + l0);
+    const uint2 qh_b = *(const uint2*)(blk + Q6K_QH + l0 + 32);
     const float d = load_f16(blk + Q6K_D);
-    const float ds = __fmul_rn(d, (float)(i8)blk[Q6K_SC + c]);
-    const int sl = 4 * (c4 >> 1), sh = 2 * c4;
+    const float ds_a = __fmul_rn(d, (float)(i8)blk[Q6K_SC + (c >> 1)]);
+    const float ds_b = __fmul_rn(d, (float)(i8)blk[Q6K_SC + 8 + (c >> 1)]);
+    const int sl = 4 * (c4 >> 1), shh = 2 * c4;
 
-    const u32 lw[4] = {ql.x, ql.y, ql.z, ql.w}, hw[4] = {qh.x, qh.y, qh.z, qh.w};
-    u32 h[8];                                                // 16 f16 outputs
+    float va[8], vb[8];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int q = (((lw[k] >> (8 * e + sl)) & 0xF) | (((hw[k] >> (8 * e + sh)) & 3) << 4)) - 32;
-            v[e] = __fmul_rn(ds, (float)q);
-        }
-        h[2 * k] = pack_f16x2(v[0], v[1]);
-        h[2 * k + 1] = pack_f16x2(v[2], v[3]);
+    for (int k = 0; k < 8; ++k) {
+        const int bit = 8 * (k & 3);
+        const int qa = ((((k < 4 ? ql_a.x : ql_a.y) >> (bit + sl)) & 0xF) |
+                        ((((k < 4 ? qh_a.x : qh_a.y) >> (bit + shh)) & 3) << 4)) - 32;
+        const int qb = ((((k < 4 ? ql_b.x : ql_b.y) >> (bit + sl)) & 0xF) |
+                        ((((k < 4 ? qh_b.x : qh_b.y) >> (bit + shh)) & 3) << 4)) - 32;
+        va[k] = __fmul_rn(ds_a, (float)qa);
+        vb[k] = __fmul_rn(ds_b, (float)qb);
     }
-    uint4* dst = (uint4*)(y + b * QK_K + 16 * c);            // 32 B, 16-aligned
-    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    u16* dst = y + b * QK_K + 8 * c;
+    store8_f16(dst, va);
+    store8_f16(dst + 128, vb);
 }
 
 // q6_K from the W_exp plane (seed §2.3: dense centered int8 (ql|qh<<4)-32, row
@@ -136,23 +147,23 @@ dequant_q6k_exp_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
     const long long b = i >> 4;
     const int c = (int)(i & 15);
     const u8* blk = w + b * Q6K_PADDED;
-    const uint4 qv = *(const uint4*)(wexp + b * QK_K + 16 * c);   // 16 int8
+    const i8* pe = wexp + b * QK_K + 8 * c;
+    const uint2 pa = *(const uint2*)pe;                      // elements 8c..8c+7
+    const uint2 pb = *(const uint2*)(pe + 128);              // elements 128+8c..
     const float d = load_f16(blk + Q6K_D);
-    const float ds = __fmul_rn(d, (float)(i8)blk[Q6K_SC + c]);
+    const float ds_a = __fmul_rn(d, (float)(i8)blk[Q6K_SC + (c >> 1)]);
+    const float ds_b = __fmul_rn(d, (float)(i8)blk[Q6K_SC + 8 + (c >> 1)]);
 
-    const u32 qw[4] = {qv.x, qv.y, qv.z, qv.w};
-    u32 h[8];
+    float va[8], vb[8];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[e] = __fmul_rn(ds, (float)(i8)((qw[k] >> (8 * e)) & 0xFF));
-        h[2 * k] = pack_f16x2(v[0], v[1]);
-        h[2 * k + 1] = pack_f16x2(v[2], v[3]);
+    for (int k = 0; k < 8; ++k) {
+        const int bit = 8 * (k & 3);
+        va[k] = __fmul_rn(ds_a, (float)(i8)(((k < 4 ? pa.x : pa.y) >> bit) & 0xFF));
+        vb[k] = __fmul_rn(ds_b, (float)(i8)(((k < 4 ? pb.x : pb.y) >> bit) & 0xFF));
     }
-    uint4* dst = (uint4*)(y + b * QK_K + 16 * c);
-    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    u16* dst = y + b * QK_K + 8 * c;
+    store8_f16(dst, va);
+    store8_f16(dst + 128, vb);
 }
 
 // x (n,) f32 -> y (n,) f16 bits, RNE; n4 = n/4 (4 elements per thread: 16 B in, 8 B out).

@@ -107,7 +107,7 @@ def _grid(n_threads: int) -> tuple[int]:
 # --- dequantization to f16 ----------------------------------------------------
 # qtype -> (kernel, outputs per thread, device bytes per 256-element super-block)
 _DEQ = {
-    QT.Q4_K: ("dequant_q4k_f16", 32, GGML_QUANT_SIZES[QT.Q4_K][1]),   # raw 144-byte blocks
+    QT.Q4_K: ("dequant_q4k_f16", 16, GGML_QUANT_SIZES[QT.Q4_K][1]),   # raw 144-byte blocks
     QT.Q6_K: ("dequant_q6k_f16", 16, Q6K_PADDED),                     # padded 224-byte stride
 }
 F16_QTYPES = frozenset(_DEQ)
