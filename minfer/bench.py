@@ -219,6 +219,8 @@ def format_report(r: dict) -> str:
     m = r["memory"]
     lines += ["", "| memory | bytes | |", "| --- | ---: | ---: |"]
     for kind, v in m.get("by_kind", {}).items():
+        if kind == "W_exp planes":
+            continue            # the next row, beside its od x id sum
         lines.append(f"| {kind} | {v:,} | {_gib(v)} |")
     if "w_exp_planes" in m:
         lines.append(f"| W_exp planes (allocated) | {m['w_exp_planes']:,} | "

@@ -1,6 +1,8 @@
-"""`minfer twin`: the 7B benchmark model — the real DeepSeek-R1-Distill-Qwen-7B
-Q4_K_M header (every metadata pair and the whole tensor table, byte for byte)
-followed by synthetic tensor data at the header's offsets.
+"""`minfer twin`: write the 7B benchmark model (the real header + synthetic tensor data).
+
+The twin is the real DeepSeek-R1-Distill-Qwen-7B Q4_K_M header (every metadata
+pair and the whole tensor table, byte for byte) followed by synthetic tensor
+data at the header's offsets.
 
 Kernels see the real shapes, types and alignment, so throughput on the twin is
 the real model's throughput (models/README.md). The tensor data are the
