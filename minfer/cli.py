@@ -57,9 +57,8 @@ def cmd_generate(args) -> int:
     tok = mf.tokenizer
     add_bos = None
     if args.chat:
-        tokens = mf.gf.get("tokenizer.ggml.tokens") or []
-        bos = tokens[tok.bos_id] if tok.bos_id is not None and tok.bos_id < len(tokens) else ""
-        eos = tokens[tok.eos_id] if tok.eos_id is not None and tok.eos_id < len(tokens) else ""
+        bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
+        eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": prompt}]
         prompt = apply_chat_template(tok.chat_template, messages, bos_token=bos, eos_token=eos)

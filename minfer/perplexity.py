@@ -45,8 +45,6 @@ def perplexity(engine, text: str, n_ctx: int = 512, progress: bool = True,
     if n_ctx > engine.n_ctx:
         raise MinferError(f"perplexity context {n_ctx} exceeds the engine's context {engine.n_ctx}")
     tokens = np.asarray(tok.encode(text, parse_special=False), dtype=np.int32)
-    # does the model add a BOS? (then llama.cpp puts BOS first in every chunk)
-    add_bos = len(tok.encode("a", parse_special=False)) > len(tok.encode("a", parse_special=False, add_bos=False))
     n_chunks = len(tokens) // n_ctx
     if len(tokens) < 2 * n_ctx:       # llama.cpp's requirement too
         raise MinferError(f"the text has {len(tokens)} tokens; perplexity at context {n_ctx} "
@@ -59,7 +57,7 @@ def perplexity(engine, text: str, n_ctx: int = 512, progress: bool = True,
     for c in tqdm(range(n_chunks), desc="perplexity", unit="chunk", disable=not progress,
                   file=sys.stderr, leave=False):
         chunk = tokens[c * n_ctx:(c + 1) * n_ctx].copy()                     # (n_ctx,)
-        if add_bos:
+        if tok.add_bos:             # llama.cpp puts BOS first in every chunk
             chunk[0] = tok.bos_id
         # from position 0 every cached entry this chunk reads is rewritten first,
         # so reusing the cache is the same as starting from an empty one
