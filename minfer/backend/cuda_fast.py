@@ -21,6 +21,13 @@ scores, the softmax and the accumulators in f32.
 No host synchronisation: every call only queues work on the current stream.
 Scratch (x16, w16, out) is passed in by the caller, allocated once for the
 longest prompt and the largest weight (DESIGN.md: allocations once, CUDA graphs).
+
+Plugging it in (the CUDA backend's choice, not made here): the KV cache of this
+path is f16, (n_layer, n_ctx, n_kv, 128), and attention_f16 replaces store +
+attention; linear_f16 replaces the MMQ linear for long prompts (bias added
+after). The LM head (152064 x 3584 = 1.09 GB as f16) is better left to the
+matvec/MMQ path, which needs one row. `python -m minfer.backend.cuda_fast`
+times every piece on the 7B's shapes.
 """
 from __future__ import annotations
 
