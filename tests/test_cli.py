@@ -1,0 +1,117 @@
+"""The `minfer` command as a user runs it (subprocess `python -m minfer`): bad input is
+one line on stderr and exit code 2, never a traceback; tokenize and generate output."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, GPU_SKIP_REASON, HEADER_7B
+
+
+def minfer(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "minfer", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *fragments: str):
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minfer: error: "), r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    assert r.stdout == ""
+
+
+def test_missing_model_file(tmp_path):
+    assert_one_line_error(minfer("generate", "-m", tmp_path / "nope.gguf", "-p", "hi"), "nope.gguf")
+
+
+def test_missing_prompt_file(tmp_path):
+    assert_one_line_error(minfer("generate", "-m", tmp_path / "x.gguf", "-f", tmp_path / "p.txt"), "p.txt")
+
+
+def test_malformed_gguf(tmp_path):
+    rng = np.random.default_rng(4)
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + rng.integers(0, 256, 999, dtype=np.uint8).tobytes())
+    assert_one_line_error(minfer("generate", "-m", garbage, "-p", "hi"), "garbage.gguf")
+    truncated = tmp_path / "truncated.gguf"                # a real header cut inside the metadata
+    truncated.write_bytes(HEADER_7B.read_bytes()[:200_003])
+    assert_one_line_error(minfer("tokenize", "-m", truncated, "-p", "hi"), "truncated.gguf")
+    text = tmp_path / "notes.gguf"
+    text.write_text("this is not a model\n")
+    assert_one_line_error(minfer("generate", "-m", text, "-p", "hi"), "notes.gguf")
+
+
+def test_unsupported_architecture(tmp_path):
+    import gguf
+    path = tmp_path / "gptj.gguf"
+    w = gguf.GGUFWriter(str(path), "gptj")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.ones((3, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_one_line_error(minfer("generate", "-m", path, "-p", "hi"), "unsupported architecture", "gptj")
+
+
+def test_empty_prompt(tmp_path):
+    assert_one_line_error(minfer("generate", "-m", tmp_path / "x.gguf", "-p", ""), "empty prompt")
+
+
+def test_argument_errors_are_one_line():
+    assert_one_line_error(minfer("generate", "-n", "5"), "-p/--prompt")
+    assert_one_line_error(minfer("generate", "-p", "x", "-n", "many"), "invalid int")
+    assert_one_line_error(minfer("frobnicate"), "frobnicate")
+
+
+@pytest.mark.model
+def test_prompt_longer_than_the_context(real_model_path):
+    r = minfer("generate", "-m", real_model_path, "-c", "16", "-p", "word " * 40)
+    assert_one_line_error(r, "longer than the context of 16")
+
+
+@pytest.mark.model
+def test_unknown_backend(real_model_path):
+    assert_one_line_error(minfer("generate", "-m", real_model_path, "-p", "hi", "--backend", "tpu"),
+                          "unknown backend 'tpu'")
+
+
+@pytest.mark.model
+@pytest.mark.skipif(GPU_SKIP_REASON is None, reason="a GPU is present: CUDA is available here")
+def test_cuda_unavailable(real_model_path):
+    assert_one_line_error(minfer("generate", "-m", real_model_path, "-p", "hi", "--backend", "cuda"),
+                          "CUDA backend unavailable")
+
+
+@pytest.mark.model
+def test_tokenize_matches_llama_tokenize(real_model_path, tmp_path):
+    cases = json.loads((FIXTURES / "tokenizer_qwen2.5-coder-1.5b.json").read_text())
+    case = next(c for c in cases if "<|im_start|>" in c["text"])     # the two modes differ here
+    assert case["ids_parse_special"] != case["ids_no_parse_special"]
+    f = tmp_path / "text.txt"
+    f.write_bytes(case["text"].encode("utf-8"))           # byte-exact, as the fixture was made
+    r = minfer("tokenize", "-m", real_model_path, "-f", f)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\n") == 1 and json.loads(r.stdout) == case["ids_parse_special"]
+    r = minfer("tokenize", "-m", real_model_path, "-f", f, "--no-parse-special")
+    assert json.loads(r.stdout) == case["ids_no_parse_special"]
+
+
+@pytest.mark.model
+def test_generate_streams_only_the_text(real_model_path):
+    """The default model (no -m: ensure_model), 6 tokens: stdout is exactly the text,
+    a prefix of llama.cpp's greedy output; the tokens/s report goes to stderr."""
+    case = next(c for c in json.loads((FIXTURES / "greedy_qwen2.5-coder-1.5b.json").read_text())
+                if c["prompt"] == "The capital of France is")
+    r = minfer("generate", "-p", case["prompt"], "-n", "6", "--ignore-eos", "-q")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout) > 6 and case["greedy_text"].startswith(r.stdout), r.stdout
+    assert "prompt: 5 tokens" in r.stderr and "generation: 6 tokens" in r.stderr
