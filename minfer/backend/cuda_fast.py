@@ -24,8 +24,8 @@ longest prompt and the largest weight (DESIGN.md: allocations once, CUDA graphs)
 
 Plugging it in (the CUDA backend's choice, not made here): the KV cache of this
 path is f16, (n_layer, n_ctx, n_kv, 128), and attention_f16 replaces store +
-attention; linear_f16 replaces the MMQ linear for long prompts (bias added
-after). The LM head (152064 x 3584 = 1.09 GB as f16) is better left to the
+attention; linear_f16 replaces the MMQ linear for long prompts (optional
+bias). The LM head (152064 x 3584 = 1.09 GB as f16) is better left to the
 matvec/MMQ path, which needs one row. `python -m minfer.backend.cuda_fast`
 times every piece on the 7B's shapes.
 """
@@ -217,12 +217,15 @@ def gemm_f16(x16, w16, out):
     return out
 
 
-def linear_f16(x, raw, qtype, n_out: int, n_in: int, out=None, x16=None, w16=None, w_exp=None):
-    """x (T, n_in) f32 @ W (n_out, n_in)^T -> (T, n_out) f32 (or f16 if out is f16).
+def linear_f16(x, raw, qtype, n_out: int, n_in: int, out=None, x16=None, w16=None, w_exp=None,
+               bias=None):
+    """x (T, n_in) f32 @ W (n_out, n_in)^T [+ bias (n_out,) f32] -> (T, n_out) f32
+    (or f16 if out is f16).
 
     W is dequantized into the f16 scratch w16 (>= n_out*n_in elements, the largest
     weight's size) and x rounded into the f16 scratch x16 (>= T*n_in), then one
-    cuBLAS GEMM. raw / qtype / w_exp as in dequant_f16."""
+    cuBLAS GEMM; the bias is added in place, in f32. raw / qtype / w_exp as in
+    dequant_f16."""
     _require_cupy()
     _dev(x, "linear_f16 x", cp.float32)
     if x.ndim != 2 or x.shape[1] != n_in:
@@ -232,7 +235,13 @@ def linear_f16(x, raw, qtype, n_out: int, n_in: int, out=None, x16=None, w16=Non
         out = cp.empty((T, n_out), dtype=cp.float32)                              # (T, n_out)
     xh = cast_f16(x, _view(x16, (T, n_in), "linear_f16 x16", cp.float16))          # (T, n_in)
     wh = dequant_f16(raw, qtype, n_out, n_in, w16, w_exp)                          # (n_out, n_in)
-    return gemm_f16(xh, wh, out)
+    gemm_f16(xh, wh, out)
+    if bias is not None:
+        if out.dtype != cp.float32:
+            raise ValueError("linear_f16: a bias needs a float32 out")
+        _dev(bias, "linear_f16 bias", cp.float32, shape=(n_out,))
+        out += bias                                                                # (T, n_out)
+    return out
 
 
 # --- attention ----------------------------------------------------------------

@@ -197,11 +197,13 @@ def test_linear_f16(qtype, use_exp):
     x = rng.standard_normal((T, n_in)).astype(np.float32)
     x16 = cp.full(T * n_in + 8, cp.nan, cp.float16)                       # scratch, oversized
     w16 = cp.full(n_out * n_in + 8, cp.nan, cp.float16)
+    bias = rng.standard_normal(n_out).astype(np.float32)
     y = cuda_fast.linear_f16(cp.asarray(x), cp.asarray(dev_raw), qtype, n_out, n_in,
-                             x16=x16, w16=w16, w_exp=w_exp)
+                             x16=x16, w16=w16, w_exp=w_exp, bias=cp.asarray(bias))
     xr = x.astype(np.float16)
-    want = xr.astype(np.float64) @ w16_ref.astype(np.float64).T
-    err = np.abs(y.get().astype(np.float64) - want) / _gemm_bound(xr, w16_ref)
+    want = xr.astype(np.float64) @ w16_ref.astype(np.float64).T + bias
+    # + one f32 rounding of the bias add: 2^-24 of |out|, inside the bound's slack
+    err = np.abs(y.get().astype(np.float64) - want) / (_gemm_bound(xr, w16_ref) + np.abs(bias))
     assert y.shape == (T, n_out) and err.max() < n_in * 2.0 ** -23, err.max()
 
 
