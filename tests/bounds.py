@@ -4,20 +4,21 @@ golden streams (one place, so both judge with the same number).
 PARITY_REL: bound on ||logits_gpu - logits_cpu|| / ||logits_cpu|| (per position).
 Where it comes from: the GPU's MMQ quantizes every activation block of 32 to
 int8 with scale max|x|/127, so each element moves by at most 1/254 of its
-block max, uniformly, RMS max/(254*sqrt(3)) ~ max/440. For Gaussian-like
-blocks max/rms ~ 2.2, so each linear layer's output carries ~0.5% relative
-noise (the f16 block scales add < 0.05%). The errors of the 7 linears per
-layer are independent and the residual stream carries them forward, adding
-roughly in quadrature over the layers, and the LM head adds its own 0.5%:
-for the 3-layer synthetic model sqrt(1 + 3 * 7 * (share of the residual each
-linear writes ~ 1/4)) * 0.5% ~ 1.3%. The bound is 3x that, 4e-2; measured
-values are in the report of the GPU run (tests/gpu/test_parity.py prints them).
+block max, uniformly: RMS max/(254*sqrt(3)) ~ max/440. For Gaussian-like
+blocks max/rms ~ 2.4, so each quantized GEMM adds ~0.55% relative noise to
+its output (the f16 block scales add < 0.05%). With weights of std
+1/sqrt(n_in) nothing damps that noise on its way to the logits, and the
+errors of different GEMMs are independent, so they add in quadrature: the
+3-layer synthetic model has 7 * 3 + 1 (LM head) = 22 quantized GEMMs on the
+path, sqrt(22) * 0.55% ~ 2.6%. Measured on an H200 (2026-11-29, prompts of
+7 / 512 / 1000 tokens and chunked prefill + decode): per-position max 3.1e-2,
+median 1.5e-2 .. 2.5e-2. The bound is about 2x the estimate: 5e-2.
 """
 from __future__ import annotations
 
 import numpy as np
 
-PARITY_REL = 4e-2
+PARITY_REL = 5e-2
 
 # A position's top-1 is "decisive" when the CPU's top-1 - top-2 logit margin
 # exceeds TOP1_SIGMAS times the largest per-element error the bound allows on
