@@ -70,3 +70,22 @@ def test_ab_cpu(tiny_model):
     for side in ("A", "B"):
         assert len(r[side]["tok_s"]) == 3 and min(r[side]["tok_s"]) > 0
     assert r["ratio_b_over_a"] > 0 and isinstance(r["separated"], bool)
+
+
+def test_format_report_device_rows():
+    """The CUDA-only rows (memory by kind, planes beside od x id, launch paths) render."""
+    from minfer.bench import format_report
+    t = {"n_tokens": 4, "reps": 2, "seconds": [0.5, 0.25], "tok_s": [8.0, 16.0],
+         "median": 12.0, "min": 8.0, "max": 16.0, "stdev": 5.66}
+    r = {"model_name": "m.gguf", "size_bytes": 3 << 30, "params": 7_615_616_512, "backend": "cuda",
+         "load_s": 1.5, "tests": {"pp4": t},
+         "memory": {"kv_cache": 1024, "by_kind": {"q4_K weights": 10, "q6_K padded": 20, "W_exp planes": 30},
+                    "w_exp_planes": 30, "w_exp_plane_sum_odid": 30, "pool_used": 5, "pool_total": 6,
+                    "device_used": 7, "device_total": 8},
+         "counters": {"q6k exp": 27, "q6k fallback!": 0}}
+    out = format_report(r)
+    assert "| m.gguf | 3.00 GiB | 7.62 B | cuda | pp4 | 12.00 ± 5.66 |" in out
+    assert "| q4_K weights | 10 |" in out and "| q6_K padded | 20 |" in out
+    assert "| W_exp planes (allocated) | 30 | plane sum od×id = 30 |" in out
+    assert "| device used (memGetInfo) | 7 |" in out and "| q6k exp | 27 |" in out
+    assert "| W_exp planes | 30 |" not in out          # shown once, beside its od x id sum
