@@ -95,6 +95,41 @@ if [ -f minfer/bench.py ] && [ -n "$SYNTH" ]; then
 else
     record bench FAIL "no minfer/bench.py or no synthetic model"
 fi
+# 7. attention alone at the 7B's shapes (28 query / 4 KV heads, hd 128), CUDA events
+python3 - >>"$LOG/bench.log" 2>&1 <<'PY'
+import cupy as cp, numpy as np
+from minfer.backend import cuda
+for T in (512, 3325):
+    rng = np.random.default_rng(T)
+    q = cp.asarray(rng.standard_normal((T, 28, 128), dtype=np.float32))
+    k = cp.asarray(rng.standard_normal((T, 4, 128), dtype=np.float32))
+    kc = cp.zeros((T, 4, 128), cp.float32); vc = cp.zeros_like(kc)
+    y = cp.empty((T, 28 * 128), cp.float32)
+    cuda.attention(q, k, k, kc, vc, 0, out=y)          # warm-up (compile)
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    ms = []
+    for _ in range(5):
+        e0.record(); cuda.attention(q, k, k, kc, vc, 0, out=y); e1.record(); e1.synchronize()
+        ms.append(cp.cuda.get_elapsed_time(e0, e1))
+    flop = 4 * 28 * 128 * T * (T + 1) / 2
+    print(f"attention 7B-shape T={T}: median {np.median(ms):.3f} ms/layer "
+          f"({flop / np.median(ms) / 1e9:.1f} TFLOP/s f32)")
+PY
+att=$(grep -E "^attention 7B-shape T=3325" "$LOG/bench.log" | sed 's/.*median //')
+[ -n "$att" ] && record attn-3325 ok "$att" || record attn-3325 FAIL "see bench.log"
+
+# 8. device out of memory through the CLI: one line on stderr, exit status 2, no traceback
+if [ -n "$SYNTH" ]; then
+    python3 -m minfer generate -m "$SYNTH" --backend cuda -c 400000000 -n 1 -q -p hi \
+        >/dev/null 2>"$LOG/oom.txt"
+    rc=$?
+    if [ $rc = 2 ] && [ "$(wc -l <"$LOG/oom.txt")" -le 1 ] && grep -q "GPU out of memory" "$LOG/oom.txt"; then
+        record oom-cli ok "exit 2, one line"
+    else
+        record oom-cli FAIL "exit $rc, $(wc -l <"$LOG/oom.txt") lines"
+    fi
+    cat "$LOG/oom.txt" >>"$LOG/bench.log"; rm -f "$LOG/oom.txt"
+fi
 cat "$LOG/bench.log" | tail -n 40
 [ -f "$LOG/parity.txt" ] && cat "$LOG/parity.txt"
 
