@@ -281,20 +281,19 @@ def _linear_counts(cp, cq, monkeypatch, env: dict, T=7, toggle_off=False):
     if toggle_off:
         st.set_exp_enabled(False)
     y = cp.asnumpy(st.linear(cp.asarray(_acts(T, K, seed=5)), w))
-    c = st.counters()
-    return c, y, st
+    return st.counters(), y, st, w          # w keeps its plane alive
 
 
 def test_linear_liveness_paths(cp, cq, monkeypatch, capsys):
-    on, y_on, st = _linear_counts(cp, cq, monkeypatch, {})
+    on, y_on, st, w = _linear_counts(cp, cq, monkeypatch, {})
     assert on["q6k exp"] == 1 and on["q6k exp=off"] == 0 and on["q6k fallback!"] == 0
     assert st.plane_bytes == 200 * 512 == st.plane_sum_odid
-    off, y_off, st = _linear_counts(cp, cq, monkeypatch, {"MINFER_MMQ_Q6K_EXP": "0"})
+    off, y_off, st, w = _linear_counts(cp, cq, monkeypatch, {"MINFER_MMQ_Q6K_EXP": "0"})
     assert off["q6k exp=off"] == 1 and off["q6k exp"] == 0 and off["q6k fallback!"] == 0
     assert st.plane_bytes == 0
-    tog, y_tog, st = _linear_counts(cp, cq, monkeypatch, {}, toggle_off=True)
+    tog, y_tog, st, w = _linear_counts(cp, cq, monkeypatch, {}, toggle_off=True)
     assert tog["q6k exp=off"] == 1 and tog["q6k exp"] == 0 and st.plane_bytes == 200 * 512
-    miss, y_miss, st = _linear_counts(cp, cq, monkeypatch, {"MINFER_TEST_FORCE_EXP_MISS": "1"})
+    miss, y_miss, st, w = _linear_counts(cp, cq, monkeypatch, {"MINFER_TEST_FORCE_EXP_MISS": "1"})
     assert miss["q6k fallback!"] == 1 and miss["q6k exp"] == 0
     assert capsys.readouterr().err.count("WARNING: W_exp plane registration failed") == 1
     for y in (y_off, y_tog, y_miss):                               # one accumulation order
@@ -304,7 +303,7 @@ def test_linear_liveness_paths(cp, cq, monkeypatch, capsys):
 
 
 def test_linear_routes_matvec_and_q4k(cp, cq, monkeypatch):
-    c1, _, _ = _linear_counts(cp, cq, monkeypatch, {}, T=1)
+    c1, _, _, _ = _linear_counts(cp, cq, monkeypatch, {}, T=1)
     assert c1["q6k_mv"] == 1 and c1["q6k exp"] == 0
     st = cq.QuantState()
     raw = _weights(QT.Q4_K, 264, 512, seed=6)

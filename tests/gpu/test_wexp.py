@@ -112,14 +112,17 @@ def test_map_keyed_by_padded_pointer(cp, cq):
 
 def test_planes_only_for_the_bundle_tensors(cp, cq):
     st = cq.QuantState()
-    for name in ("blk.0.attn_v.weight", "blk.12.ffn_down.weight", "output.weight",
-                 "token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight.bias"):
-        st.register(name, _info(name, 24, 256), _raw_q6k(24, 256, seed=len(name)))
+    names = ("blk.0.attn_v.weight", "blk.12.ffn_down.weight", "output.weight",
+             "token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight.bias")
+    ws = [st.register(n, _info(n, 24, 256), _raw_q6k(24, 256, seed=len(n))) for n in names]
     assert sorted(st.planes) == sorted(f"{n}__exp24x256" for n in
                                        ("blk.0.attn_v.weight", "blk.12.ffn_down.weight",
                                         "output.weight"))
     assert st.memory_report()["W_exp planes"] == 3 * 24 * 256 == st.plane_sum_odid
     assert st.memory_report()["q6_K padded"] == 6 * 24 * 224
+    del ws                     # a plane lives as long as its weight
+    assert st.planes == {} and st.q6k_exp == {} and st.plane_bytes == 0
+    assert st.memory_report()["q6_K padded"] == 0
 
 
 def test_geometry_encoded_names(cp, cq):
