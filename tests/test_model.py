@@ -87,3 +87,19 @@ def test_free_running_greedy_agrees_with_llama_cpp(engine):
           f"{sum(matches)}/{len(matches)} prompts; last run: prefill {stats.prompt_tps:.1f} tok/s, "
           f"decode {stats.decode_tps:.2f} tok/s")
     assert sum(matches) >= 5
+
+
+@pytest.mark.model
+def test_chat_template_renders_the_fixture_chat_prompt(real_model_path):
+    """The GGUF's own template (jinja2 sandbox) around a system + user message gives
+    exactly the chat-form prompt the llama.cpp fixture was generated from."""
+    from minfer.chat import apply_chat_template
+    from minfer.engine import ModelFile
+
+    case = next(c for c in GREEDY if c["prompt"].startswith("<|im_start|>"))
+    tok = ModelFile.open(real_model_path).tokenizer
+    text = apply_chat_template(tok.chat_template, [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Explain what a hash map is in two sentences."}])
+    assert text == case["prompt"]
+    assert tok.encode(text) == case["prompt_ids"]
