@@ -158,7 +158,7 @@ mmq_q4k(const i8* __restrict__ xq,      // (T, K) q8_1 values
         if (kt + 2 < nkt) stage(kt + 2, (kt + 2) % MMQ_NST);
         const int st = kt % MMQ_NST;
 #pragma unroll 1
-        for (int c = 0; c < KDR; ++c) {                  // not unrolled: keeps it under 80 registers
+        for (int c = 0; c < KDR; ++c) {                  // not unrolled (left from a register squeeze; untuned)
             const float da0 = sDa[st][(wrow + g4) * KDR + c], da1 = sDa[st][(wrow + g4 + 8) * KDR + c];
             const float sa0 = sSa[st][(wrow + g4) * KDR + c], sa1 = sSa[st][(wrow + g4 + 8) * KDR + c];
 #pragma unroll
