@@ -78,6 +78,10 @@ def _f32(x, what: str, ndim: int | None = None):
     return x
 
 
+def _ptr(a) -> int:
+    return a.data.ptr
+
+
 def _out(out, shape, what: str):
     if out is None:
         return cp.empty(shape, dtype=cp.float32)
@@ -278,9 +282,12 @@ def attention(q, k, v, k_cache, v_cache, pos0: int, out=None):
         raise ValueError(f"attention: caches {k_cache.shape} / {v_cache.shape} vs head dim {hd}")
     if pos0 < 0 or pos0 + T > n_ctx:
         raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {n_ctx}")
+    y = _out(out, (T, n_head * hd), "attention out")                         # (T, n_head*hd)
+    for a, nm in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (y, "out")):
+        if _ptr(a) % 16:                # the kernel moves rows as float4
+            raise ValueError(f"attention: {nm} is not 16-byte aligned")
     k_cache[pos0:pos0 + T] = k                                               # (T, n_kv, hd)
     v_cache[pos0:pos0 + T] = v
-    y = _out(out, (T, n_head * hd), "attention out")                         # (T, n_head*hd)
     if T:
         _fn("attention.cu", f"attention_f32<{hd}>", _ATT_INSTANCES)(
             ((T + ATT_BQ - 1) // ATT_BQ, n_head), (ATT_THREADS,),

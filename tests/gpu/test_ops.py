@@ -211,6 +211,12 @@ def test_bad_arguments(cu):
         cuda.add(x, cp.zeros((3, 8), cp.float64))
     with pytest.raises(ValueError):
         cuda.rmsnorm(x[:, ::2], cp.zeros(4, cp.float32), 1e-6)
+    # contiguous but 4 bytes off a 16-byte boundary: the attention kernel reads float4
+    q = cp.zeros(1 + 2 * 4 * 128, cp.float32)[1:].reshape(2, 4, 128)
+    kc = cp.zeros((8, 2, 128), cp.float32)
+    kv = cp.zeros((2, 2, 128), cp.float32)
+    with pytest.raises(ValueError, match="aligned"):
+        cuda.attention(q, kv, kv, kc, kc.copy(), 0)
 
 
 # --- out of memory ---------------------------------------------------------------
