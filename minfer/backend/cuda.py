@@ -7,7 +7,9 @@ embedding rows. The rest of the graph is here, one Python wrapper per kernel
 
     rmsnorm    kernels/norm.cu         one block per row
     rope       kernels/rope.cu         one thread per rotated pair, cos/sin table
-    attention  kernels/attention.cu    tiled causal GQA, online softmax, f32 KV cache
+    attention  kernels/flash_attn.cu   head dim 128 (both target models): f16 KV
+                                       cache, tensor-core flash attention (cuda_fast)
+               kernels/attention.cu    other head dims (64): tiled f32, f32 KV cache
     swiglu/add kernels/elementwise.cu  one thread per element
 
 No host synchronisation inside a layer: nothing here reads a device value back
@@ -28,6 +30,7 @@ from ..config import ModelConfig
 from ..errors import MinferError
 from . import kernels
 from .base import Backend
+from .cuda_fast import FA_HD, attention_f16
 
 try:
     import cupy as cp
@@ -53,15 +56,17 @@ def _is_oom(e: BaseException) -> bool:
 
 
 class CudaCache:
-    """KV cache, preallocated: k, v (n_layer, n_ctx, n_kv, hd) f32, zero-filled so
-    that no position ever holds garbage (attention never reads past pos0 + T,
-    but zeros make a bug show up as a wrong number, not a NaN)."""
+    """KV cache, preallocated: k, v (n_layer, n_ctx, n_kv, hd), f16 for the
+    flash-attention head dim (128) and f32 otherwise, zero-filled so that no
+    position ever holds garbage (attention never reads past pos0 + T, but zeros
+    make a bug show up as a wrong number, not a NaN)."""
 
     def __init__(self, cfg: ModelConfig, n_ctx: int):
         self.n_ctx = n_ctx
         shape = (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim)
-        self.k = cp.zeros(shape, dtype=cp.float32)   # (n_layer, n_ctx, n_kv, hd)
-        self.v = cp.zeros(shape, dtype=cp.float32)   # (n_layer, n_ctx, n_kv, hd)
+        dtype = cp.float16 if cfg.head_dim == FA_HD else cp.float32
+        self.k = cp.zeros(shape, dtype=dtype)   # (n_layer, n_ctx, n_kv, hd)
+        self.v = cp.zeros(shape, dtype=dtype)   # (n_layer, n_ctx, n_kv, hd)
 
     @property
     def nbytes(self) -> int:
@@ -187,6 +192,9 @@ class CUDABackend(Backend):
         cfg = self.cfg
         if q.shape[1:] != (cfg.n_head, cfg.head_dim) or k.shape[1:] != (cfg.n_head_kv, cfg.head_dim):
             raise ValueError(f"attention: q {q.shape}, k {k.shape} do not match the model's heads")
+        if cache.k.dtype == cp.float16:          # head dim 128: tensor-core flash attention
+            return self._guard("running attention", attention_f16, q, k, v,
+                               cache.k[layer], cache.v[layer], pos0, out=out)
         return self._guard("running attention", attention, q, k, v,
                            cache.k[layer], cache.v[layer], pos0, out=out)
 

@@ -11,6 +11,14 @@ counters, and is what the CUDA backend calls.
                                         stages B by cp.async from the W_exp plane
     matvec_q4k/q6k kernels/matvec.cu    x f32 (K,), one warp per row
     dequant_rows   kernels/dequant.cu   embedding rows, bit-identical to quants
+    linear_f16     cuda_fast.py         T >= F16_GEMM_MIN_T: W -> f16 scratch, cuBLAS
+
+Which engine a GEMM takes is decided here by the token count T (docs/PERF.md
+has the measurements behind F16_GEMM_MIN_T): T == 1 matvec, 1 < T < F16_GEMM_MIN_T
+int8 MMQ, longer prompts dequantize W into an f16 scratch (for q6_K plane
+tensors: from the W_exp plane) and run one cuBLAS GEMM with f32 accumulation.
+The q6_K launch label (exp / exp=off / fallback! / raw) says where B came from
+in either engine; the engine has its own counter (q6k_mmq / q6k_f16 ...).
 
 The W_exp bundle (seed/000 §2.3, §3.1, §3.2, §3.3 pitfall #1):
 - planes exist only for the q6_K tensors `blk.N.attn_v.weight`,
@@ -41,7 +49,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from .. import quants
 from ..errors import MinferError
-from . import kernels
+from . import cuda_fast, kernels
 
 try:
     import cupy as cp
@@ -61,8 +69,18 @@ _MMQ_NAMES = (f"mmq_q4k<{MMQ_KDR}>", f"mmq_q6k_bt<{MMQ_KDR}, true>", f"mmq_q6k_b
 _PLANE_NAME = re.compile(r"blk\.\d+\.(attn_v|ffn_down)\.weight|output\.weight")
 
 # launch paths, as counters() and the exit report name them
-PATHS = ("q4k_mmq", "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw",
+PATHS = ("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
+         "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw",
          "q4k_mv", "q6k_mv", "f32_gemm")
+
+# Prefill GEMMs of at least this many tokens take the f16 cuBLAS path, shorter
+# ones the int8 MMQ (docs/PERF.md, "GEMM engine by prompt length").
+F16_GEMM_MIN_T = 64
+
+# tables, not linears of the layer stack: never dequantized whole into the f16
+# scratch (the 7B's LM head alone would need a 1.09 GB scratch; it sees one row
+# in prefill and takes matvec, or MMQ when all positions' logits are asked for)
+_NO_F16 = frozenset({"token_embd.weight", "output.weight"})
 
 _EMBED_KERNEL = {QT.Q4_K: "dequant_rows_q4k", QT.Q6_K: "dequant_rows_q6k",
                  QT.Q8_0: "dequant_rows_q8_0", QT.F16: "dequant_rows_f16",
@@ -241,6 +259,9 @@ class QuantState:
         self._mem = {"q4_K weights": 0, "q6_K padded": 0, "other": 0}
         self._counts = dict.fromkeys(PATHS, 0)
         self._scratch = None                 # grow-only q8_1 activation buffers
+        self.f16_min_t = F16_GEMM_MIN_T      # GEMM engine switch (bench scripts may move it)
+        self._w16_cap = 0                    # elements of the largest f16-path weight
+        self._f16 = None                     # (x16, w16) grow-only f16 scratch
         if self.debug:
             atexit.register(self._report_counts)
 
@@ -273,6 +294,8 @@ class QuantState:
             host = np.ascontiguousarray(raw)                              # (n_out, rb)
             kind = "q4_K weights" if qtype == QT.Q4_K else "other"
         w = GpuWeight(name, qtype, n_out, n_in, cp.asarray(host), kind=kind)
+        if qtype in (QT.Q4_K, QT.Q6_K) and name not in _NO_F16:
+            self._w16_cap = max(self._w16_cap, n_out * n_in)
         self._mem[kind] += w.data.nbytes
         weakref.finalize(w, self._forget, kind, w.data.nbytes, None, None)
         if qtype == QT.Q6_K and _PLANE_NAME.fullmatch(name) and n_in % 256 == 0:
@@ -324,7 +347,8 @@ class QuantState:
         return sum(int(p.shape[0]) * int(p.shape[1]) for p in self.planes.values())
 
     def memory_report(self) -> dict[str, int]:
-        return {**self._mem, "W_exp planes": self.plane_bytes}
+        f16 = 0 if self._f16 is None else sum(int(a.nbytes) for a in self._f16)
+        return {**self._mem, "f16 GEMM scratch": f16, "W_exp planes": self.plane_bytes}
 
     def set_exp_enabled(self, on: bool) -> None:
         """A/B toggle: planes stay allocated; while off, q6_K GEMMs take EXP=false
@@ -356,7 +380,8 @@ class QuantState:
 
     def linear(self, x, w: GpuWeight, bias=None, out=None):
         """x f32 (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> f32 (T, n_out).
-        T == 1: matvec on f32 x; T > 1: x -> q8_1, then the MMQ GEMM."""
+        T == 1: matvec on f32 x; 1 < T < f16_min_t: x -> q8_1, then the MMQ GEMM;
+        longer: W -> f16 scratch (q6_K plane tensors from their W_exp plane), cuBLAS."""
         if x.ndim != 2 or x.shape[1] != w.n_in:
             raise MinferError(f"linear {w.name}: input shape {tuple(x.shape)} does not match "
                               f"the weight's {w.n_in} inputs")
@@ -374,21 +399,43 @@ class QuantState:
                 return matvec_q4k(x, w.data, w.n_out, bias, out)
             self._counts["q6k_mv"] += 1
             return matvec_q6k(x, w.data, w.n_out, bias, out)
+        plane = None
+        if w.qtype == QT.Q6_K:
+            path, plane = self._q6k_path(w)
+            self._counts[path] += 1
+        if T >= self.f16_min_t and w.n_out * w.n_in <= self._w16_cap:
+            self._counts["q4k_f16" if w.qtype == QT.Q4_K else "q6k_f16"] += 1
+            x16, w16 = self._f16_scratch(T * w.n_in)
+            return cuda_fast.linear_f16(x, w.data, w.qtype, w.n_out, w.n_in, out=out,
+                                        x16=x16, w16=w16, w_exp=plane, bias=bias)
         xq, xd, xs = quantize_q8_1(x, *self._q8_scratch(T, w.n_in))
         if w.qtype == QT.Q4_K:
             self._counts["q4k_mmq"] += 1
             return mmq_q4k(xq, xd, xs, w.data, w.n_out, bias, out)
+        self._counts["q6k_mmq"] += 1
+        return mmq_q6k(xq, xd, w.data, plane, w.n_out, bias, out)
+
+    def _q6k_path(self, w: GpuWeight):
+        """-> (launch label, the W_exp plane or None) for a q6_K GEMM of w."""
         plane = self.q6k_exp.get(w.ptr)            # the lookup is by the PADDED pointer
         if not w.plane_tensor:
-            path, plane = "q6k raw", None          # not a plane tensor (e.g. a tied q6_K head)
-        elif not self._exp_on:
-            path, plane = "q6k exp=off", None      # deliberately off (env or set_exp_enabled)
-        elif plane is not None:
-            path = "q6k exp"
-        else:
-            path = "q6k fallback!"                 # a plane was expected and is missing
-        self._counts[path] += 1
-        return mmq_q6k(xq, xd, w.data, plane, w.n_out, bias, out)
+            return "q6k raw", None                 # not a plane tensor (e.g. a tied q6_K head)
+        if not self._exp_on:
+            return "q6k exp=off", None             # deliberately off (env or set_exp_enabled)
+        if plane is not None:
+            return "q6k exp", plane
+        return "q6k fallback!", None               # a plane was expected and is missing
+
+    def _f16_scratch(self, n_x: int):
+        """f16 scratch: x16 (>= n_x) and w16 (the largest f16-path weight), grown
+        when too small, reused otherwise (one stream orders the reuse)."""
+        x16, w16 = self._f16 if self._f16 is not None else (None, None)
+        if x16 is None or x16.size < n_x:
+            x16 = cp.empty(n_x, cp.float16)                      # (T*n_in,)
+        if w16 is None or w16.size < self._w16_cap:
+            w16 = cp.empty(self._w16_cap, cp.float16)            # (n_out*n_in,) of the largest
+        self._f16 = (x16, w16)
+        return self._f16
 
     def embed(self, w: GpuWeight, tokens_dev):
         """rows `tokens_dev` (cupy int32 (T,), ids checked by the caller) of the
