@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh              # from the repository root
 #   GOLDEN_UPDATE=1 bash scripts/gpu_check.sh   # (re)make tests/golden first (-> $OUT/golden.tgz)
 #   GOLDEN_CHECK=0 PYTEST_TIMEOUT=180 BENCH_REPS=3  # a shorter run
+#   BENCH_7B=1 bash scripts/gpu_check.sh        # + the 7B twin: bench, A/B of W_exp, 3-mode greedy,
+#                                               #   GEMM engine by prompt length (AB_7B=0 skips the A/B)
 #
 # $OUT gets at most 8 files back: env.log, golden.log (+ golden.tgz when made),
 # pytest_gpu.log, parity.txt, sass.log, bench.log, summary.md.
@@ -95,25 +97,26 @@ if [ -f minfer/bench.py ] && [ -n "$SYNTH" ]; then
 else
     record bench FAIL "no minfer/bench.py or no synthetic model"
 fi
-# 7. attention alone at the 7B's shapes (28 query / 4 KV heads, hd 128), CUDA events
+# 7. attention alone at the 7B's shapes (28 query / 4 KV heads, hd 128), CUDA events:
+#    the path the backend takes at head dim 128 (f16 KV cache, tensor-core flash attention)
 python3 - >>"$LOG/bench.log" 2>&1 <<'PY'
 import cupy as cp, numpy as np
-from minfer.backend import cuda
+from minfer.backend import cuda_fast
 for T in (512, 3325):
     rng = np.random.default_rng(T)
     q = cp.asarray(rng.standard_normal((T, 28, 128), dtype=np.float32))
     k = cp.asarray(rng.standard_normal((T, 4, 128), dtype=np.float32))
-    kc = cp.zeros((T, 4, 128), cp.float32); vc = cp.zeros_like(kc)
+    kc = cp.zeros((T, 4, 128), cp.float16); vc = cp.zeros_like(kc)
     y = cp.empty((T, 28 * 128), cp.float32)
-    cuda.attention(q, k, k, kc, vc, 0, out=y)          # warm-up (compile)
+    cuda_fast.attention_f16(q, k, k, kc, vc, 0, out=y)          # warm-up (compile)
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     ms = []
     for _ in range(5):
-        e0.record(); cuda.attention(q, k, k, kc, vc, 0, out=y); e1.record(); e1.synchronize()
+        e0.record(); cuda_fast.attention_f16(q, k, k, kc, vc, 0, out=y); e1.record(); e1.synchronize()
         ms.append(cp.cuda.get_elapsed_time(e0, e1))
     flop = 4 * 28 * 128 * T * (T + 1) / 2
     print(f"attention 7B-shape T={T}: median {np.median(ms):.3f} ms/layer "
-          f"({flop / np.median(ms) / 1e9:.1f} TFLOP/s f32)")
+          f"({flop / np.median(ms) / 1e9:.1f} TFLOP/s, f16 flash)")
 PY
 att=$(grep -E "^attention 7B-shape T=3325" "$LOG/bench.log" | sed 's/.*median //')
 [ -n "$att" ] && record attn-3325 ok "$att" || record attn-3325 FAIL "see bench.log"
@@ -130,7 +133,53 @@ if [ -n "$SYNTH" ]; then
     fi
     cat "$LOG/oom.txt" >>"$LOG/bench.log"; rm -f "$LOG/oom.txt"
 fi
-cat "$LOG/bench.log" | tail -n 40
+# 9. the 7B benchmark model (BENCH_7B=1): the twin from the header, minfer bench,
+#    the interleaved A/B of the W_exp bundle, greedy identity over the three q6_K
+#    modes, and the GEMM engine by prompt length (all appended to bench.log)
+if [ "${BENCH_7B:-0}" = 1 ]; then
+    TWIN=$MINFER_CACHE/deepseek-r1-distill-qwen-7b-q4_k_m.twin.gguf
+    t0=$(date +%s)
+    if [ -f "$TWIN" ] || timeout 240 python3 -m minfer twin -q -o "$TWIN" >>"$LOG/bench.log" 2>&1; then
+        record twin ok "$(( $(date +%s) - t0 )) s, $(stat -c %s "$TWIN") bytes"
+        timeout 300 python3 -m minfer bench -m "$TWIN" -p 512,3325 -r ${BENCH7B_REPS:-5} -n 32 >"$LOG/b7.txt" 2>&1
+        rc=$?
+        cat "$LOG/b7.txt" >>"$LOG/bench.log"
+        for t in pp512 pp3325 tg32; do
+            v=$(grep -E "\| $t \|" "$LOG/b7.txt" | head -1 | awk -F'|' '{print $(NF-1)}')
+            [ $rc = 0 ] && [ -n "$v" ] && record "7b-$t" ok "$v t/s" || record "7b-$t" FAIL "rc=$rc"
+        done
+        rm -f "$LOG/b7.txt"
+        if [ "${AB_7B:-1}" = 1 ]; then
+            timeout 200 python3 scripts/ab.py -m "$TWIN" -p ${AB_TOKENS:-3325} -r ${AB_REPS:-7} \
+                --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0 >"$LOG/ab.txt" 2>&1
+            rc=$?
+            cat "$LOG/ab.txt" >>"$LOG/bench.log"
+            [ $rc = 0 ] && record ab-exp ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-exp FAIL "rc=$rc"
+            rm -f "$LOG/ab.txt"
+        fi
+        # greedy stream from the 7B twin, byte-identical across the three q6_K modes
+        P='The capital of France is'
+        for mode in exp off miss; do
+            case $mode in
+                exp) envs=() ;; off) envs=(MINFER_MMQ_Q6K_EXP=0) ;; miss) envs=(MINFER_TEST_FORCE_EXP_MISS=1) ;;
+            esac
+            env "${envs[@]}" MINFER_MMQ_RAW_NB_DEBUG=1 timeout 120 python3 -m minfer generate -m "$TWIN" \
+                --backend cuda -q -n 40 --ignore-eos -p "$P" >"/tmp/g7b_$mode.txt" 2>"/tmp/g7b_$mode.err"
+            echo "--- 7B greedy, mode $mode: $(wc -c <"/tmp/g7b_$mode.txt") bytes; $(grep -E 'q6k (exp|exp=off|fallback!):' "/tmp/g7b_$mode.err" | tr '\n' ' ')" >>"$LOG/bench.log"
+        done
+        if [ -s /tmp/g7b_exp.txt ] && cmp -s /tmp/g7b_exp.txt /tmp/g7b_off.txt && cmp -s /tmp/g7b_exp.txt /tmp/g7b_miss.txt; then
+            record 7b-greedy-modes ok "$(wc -c </tmp/g7b_exp.txt) bytes identical in exp / exp=off / fallback!"
+        else
+            record 7b-greedy-modes FAIL "streams differ or are empty (see bench.log)"
+        fi
+        timeout 150 python3 scripts/gemm_paths.py -r 7 >>"$LOG/bench.log" 2>&1 \
+            && record gemm-paths ok "$(grep -m1 'wins for the whole layer' "$LOG/bench.log")" \
+            || record gemm-paths FAIL "see bench.log"
+    else
+        record twin FAIL "see bench.log"
+    fi
+fi
+cat "$LOG/bench.log" | tail -n 90
 [ -f "$LOG/parity.txt" ] && cat "$LOG/parity.txt"
 
 # summary, last
