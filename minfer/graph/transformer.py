@@ -29,9 +29,17 @@ class Transformer:
         if pos0 + T > cache.n_ctx:
             raise MinferError(f"{pos0 + T} tokens do not fit the context of {cache.n_ctx}; "
                               f"shorten the prompt or raise the context size")
-        hd = cfg.head_dim
         x = be.embed(w.token_embd, tokens)                                   # (T, d)
-        for i, L in enumerate(w.layers):
+        x = self.blocks(x, pos0, cache)                                      # (T, d)
+        x = be.rows(x, T - 1 if logits_from is None else logits_from, T)
+        x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
+        return be.to_numpy(be.linear(x, w.output))                           # (n, vocab)
+
+    def blocks(self, x, pos0: int, cache):
+        """The decoder layers: x (T, d) at positions pos0.. -> (T, d); fills the cache."""
+        cfg, be = self.cfg, self.be
+        T, hd = x.shape[0], cfg.head_dim
+        for i, L in enumerate(self.w.layers):
             h = be.rmsnorm(x, L.attn_norm, cfg.rms_eps)                      # (T, d)
             q = be.linear(h, L.attn_q, L.attn_q_bias).reshape(T, cfg.n_head, hd)
             k = be.linear(h, L.attn_k, L.attn_k_bias).reshape(T, cfg.n_head_kv, hd)
@@ -42,9 +50,7 @@ class Transformer:
             h = be.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
             f = be.swiglu(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up))  # (T, d_ff)
             x = be.add(x, be.linear(f, L.ffn_down))
-        x = be.rows(x, T - 1 if logits_from is None else logits_from, T)
-        x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
-        return be.to_numpy(be.linear(x, w.output))                           # (n, vocab)
+        return x
 
     def prefill(self, tokens, cache) -> np.ndarray:
         """Fill the cache from position 0; logits of the last position (vocab,)."""
