@@ -87,7 +87,7 @@ def load_manifest(name: str | None = None) -> Manifest:
 def download_wheel(requirement: str, dest: Path) -> Path:
     """pip-download one wheel (no dependencies) into dest -> its path."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+           "--disable-pip-version-check", "--no-cache-dir", "-q", "-d", str(dest), requirement]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
