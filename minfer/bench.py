@@ -8,8 +8,11 @@ it (seed §5: a memory price must be summed over the tensor inventory).
 Timing: CUDA events around `engine.model.forward(...)` on the CUDA backend
 (the forward ends with the logits' device-to-host copy, so the end event is
 recorded after all of its work), perf_counter on the CPU backend. Each test
-runs once untimed (warm-up: kernel compilation, memory pool growth), then r
-timed repetitions; prompt ids are seeded random ids in the vocabulary; every
+runs twice untimed (warm-up: kernel compilation, memory pool growth; on the
+CUDA backend the first use of a prompt length runs eagerly and the second
+captures the decoder layers into a CUDA graph, which the timed repetitions
+replay; MINFER_CUDA_GRAPHS=0 times the eager path instead), then r timed
+repetitions; prompt ids are seeded random ids in the vocabulary; every
 prefill starts at position 0 of one cache allocated once (DESIGN.md: no
 per-step allocations), so each repetition overwrites the same positions.
 """
@@ -169,8 +172,9 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
     quant = getattr(engine.backend, "quant", None)
     prompts = {P: prompt_ids(vocab, P, seed + i) for i, P in enumerate(lengths)}
     dprompt = prompt_ids(vocab, DECODE_PROMPT, seed + len(lengths))
-    for tokens in prompts.values():                                     # warm-up, untimed
-        time_prefill(engine, cache, tokens, timer)
+    for tokens in prompts.values():                                     # warm-up, untimed:
+        for _ in range(2):                                              # eager, then capture
+            time_prefill(engine, cache, tokens, timer)
     if n_decode:
         time_decode(engine, cache, dprompt, min(n_decode, 4), timer)
     if quant is not None:
@@ -196,6 +200,8 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
         "tests": tests,
         "memory": memory(engine, cache),
         "counters": counters(engine),
+        "cuda_graphs": getattr(engine.backend, "graphs_on", None),
+        "graph_replays": getattr(engine.backend, "graph_replays", None),
     }
 
 
@@ -206,7 +212,11 @@ def _gib(n: int) -> str:
 def format_report(r: dict) -> str:
     size = _gib(r["size_bytes"])
     params = f"{r['params'] / 1e9:.2f} B"
-    lines = [f"load: {r['load_s']:.2f} s (file to {r['backend']} memory, W_exp planes included where registered)", "",
+    lines = [f"load: {r['load_s']:.2f} s (file to {r['backend']} memory, W_exp planes included where registered)"]
+    if r.get("cuda_graphs") is not None:
+        lines.append(f"prefill: {'CUDA graph replays of the decoder layers' if r['cuda_graphs'] else 'eager (MINFER_CUDA_GRAPHS=0)'}"
+                     f" ({r['graph_replays']} replays in this run); decode: eager")
+    lines += ["",
              "| model | size | params | backend | test | t/s |",
              "| --- | ---: | ---: | --- | ---: | ---: |"]
     for name, t in r["tests"].items():

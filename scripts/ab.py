@@ -88,7 +88,8 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int) -> 
             engines[side].backend.quant.set_exp_enabled(exp_on[side])
         return time_prefill(engines[side], caches[side], tokens, timers[side])
 
-    for side in "AB":                   # warm-up, untimed
+    for side in "AB":                   # warm-up, untimed: first use eager, second
+        one(side)                       # captures a CUDA graph (replayed by the reps)
         one(side)
     quant = getattr(engines["A"].backend, "quant", None)
     counts = {"A": {}, "B": {}}

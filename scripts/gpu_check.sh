@@ -7,7 +7,8 @@
 #   GOLDEN_UPDATE=1 bash scripts/gpu_check.sh   # (re)make tests/golden first (-> $OUT/golden.tgz)
 #   GOLDEN_CHECK=0 PYTEST_TIMEOUT=180 BENCH_REPS=3  # a shorter run
 #   BENCH_7B=1 bash scripts/gpu_check.sh        # + the 7B twin: bench, A/B of W_exp, 3-mode greedy,
-#                                               #   GEMM engine by prompt length (AB_7B=0 skips the A/B)
+#                                               #   GEMM engine by prompt length (AB_7B=0 skips the
+#                                               #   W_exp A/B, AB_GRAPHS=0 the CUDA-graph A/B)
 #
 # $OUT gets at most 8 files back: env.log, golden.log (+ golden.tgz when made),
 # pytest_gpu.log, parity.txt, sass.log, bench.log, summary.md.
@@ -155,6 +156,14 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             rc=$?
             cat "$LOG/ab.txt" >>"$LOG/bench.log"
             [ $rc = 0 ] && record ab-exp ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-exp FAIL "rc=$rc"
+            rm -f "$LOG/ab.txt"
+        fi
+        if [ "${AB_GRAPHS:-1}" = 1 ]; then       # CUDA graphs of the layers vs eager, at 512 tokens
+            timeout 200 python3 scripts/ab.py -m "$TWIN" -p 512 -r ${AB_REPS:-7} \
+                --a MINFER_CUDA_GRAPHS=1 --b MINFER_CUDA_GRAPHS=0 >"$LOG/ab.txt" 2>&1
+            rc=$?
+            cat "$LOG/ab.txt" >>"$LOG/bench.log"
+            [ $rc = 0 ] && record ab-graphs ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-graphs FAIL "rc=$rc"
             rm -f "$LOG/ab.txt"
         fi
         # greedy stream from the 7B twin, byte-identical across the three q6_K modes

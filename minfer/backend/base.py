@@ -45,6 +45,11 @@ class Backend(ABC):
     def linear(self, x, w, bias=None) -> Any:
         """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> (T, n_out)"""
 
+    def linears(self, x, ws, biases) -> list:
+        """Several linears of the same x (q/k/v, gate/up) -> [(T, n_out) each]; a
+        backend may share work on x between them (the CUDA f16 engine rounds x once)."""
+        return [self.linear(x, w, b) for w, b in zip(ws, biases)]
+
     @abstractmethod
     def rope(self, x, pos0: int) -> Any:
         """x (T, n_heads, hd) at positions pos0..pos0+T-1 -> rotated (T, n_heads, hd);
@@ -71,6 +76,11 @@ class Backend(ABC):
     @abstractmethod
     def to_numpy(self, x) -> np.ndarray:
         """-> float32 host array"""
+
+    def captured(self, cache, key, fn, x):
+        """fn(x) -> y: device work that a backend may record once and replay when
+        the same key comes again for this cache (CUDA graphs). The CPU runs fn(x)."""
+        return fn(x)
 
     def synchronize(self) -> None:
         """Wait for queued device work (timing); nothing to do on the CPU."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -67,6 +69,7 @@ class CudaCache:
         dtype = cp.float16 if cfg.head_dim == FA_HD else cp.float32
         self.k = cp.zeros(shape, dtype=dtype)   # (n_layer, n_ctx, n_kv, hd)
         self.v = cp.zeros(shape, dtype=dtype)   # (n_layer, n_ctx, n_kv, hd)
+        self.graphs: dict = {}                  # key -> _Graph, or SEEN after a first eager run
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +108,20 @@ def rope_table(n_pos: int, hd: int, base: float) -> np.ndarray:
     return np.stack([np.cos(theta), np.sin(theta)], axis=-1).astype(np.float32)
 
 
+SEEN = "seen"          # a key's first use runs eagerly; the second captures
+_CAPTURE_RELAXED = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", 2) if cp is not None else 2
+
+
+class _Graph:
+    """One captured replay of `fn` (Backend.captured): its input buffer, output
+    array, the memory pool its intermediates live in, the launch counts one
+    replay adds, and references that keep every buffer it touches alive."""
+
+    def __init__(self, graph, inp, out, pool, counts: dict, keep: tuple):
+        self.graph, self.inp, self.out, self.pool = graph, inp, out, pool
+        self.counts, self.keep = counts, keep
+
+
 class CUDABackend(Backend):
     name = "cuda"
 
@@ -123,6 +140,9 @@ class CUDABackend(Backend):
                               f"attention kernel (supported: {', '.join(map(str, ATT_HEAD_DIMS))})")
         from .cuda_quant import QuantState   # env vars (MINFER_MMQ_*) are read here
         self.quant = QuantState()
+        # MINFER_CUDA_GRAPHS=0: never capture (every forward runs eagerly)
+        self.graphs_on = os.environ.get("MINFER_CUDA_GRAPHS", "1") != "0"
+        self.graph_replays = 0
         self._cos_sin = None                 # (n_pos, hd/2, 2) f32 on the device
 
     # --- out of memory -------------------------------------------------------
@@ -176,6 +196,10 @@ class CUDABackend(Backend):
         _f32(x, "linear x", 2)
         return self._guard("running a linear layer", self.quant.linear, x, w, bias=bias, out=out)
 
+    def linears(self, x, ws, biases):
+        _f32(x, "linears x", 2)
+        return self._guard("running a linear layer", self.quant.linears, x, ws, biases)
+
     def rmsnorm(self, x, w, eps: float, out=None):
         return self._guard("running rmsnorm", rmsnorm, x, w, eps, out=out)
 
@@ -212,6 +236,67 @@ class CUDABackend(Backend):
 
     def synchronize(self) -> None:
         cp.cuda.get_current_stream().synchronize()
+
+    # --- CUDA graphs ---------------------------------------------------------
+    def captured(self, cache, key, fn, x):
+        """fn(x) eagerly on a key's first use; on its second, fn runs once more
+        eagerly (filling a private memory pool), is captured into a CUDA graph
+        (relaxed mode, served from that pool) and from then on replayed:
+        x is copied into the graph's input buffer and its output array returned
+        (valid until the next replay of the same key). Launch counters add the
+        counts the captured work recorded, once per replay."""
+        # a capture bakes in every launch decision (GEMM engine, W_exp plane or
+        # not), so the settings that make them are part of the key
+        key = (key, self.quant.path_settings())
+        rec = cache.graphs.get(key) if self.graphs_on else None
+        if not self.graphs_on or rec is None:
+            if self.graphs_on:
+                cache.graphs[key] = SEEN
+            return fn(x)
+        if rec is SEEN:
+            try:
+                rec = cache.graphs[key] = self._guard("capturing a CUDA graph", self._capture, fn, x)
+            except MinferError:
+                raise
+            except Exception as e:  # noqa: BLE001 - loud, once: graphs off, eager from here on
+                self.graphs_on = False
+                print(f"minfer: WARNING: CUDA graph capture failed ({type(e).__name__}: {e}); "
+                      f"running eagerly from now on (MINFER_CUDA_GRAPHS=0 silences this)",
+                      file=sys.stderr, flush=True)
+                return fn(x)
+        rec.inp[...] = x                                                     # (T, d)
+        rec.graph.launch(cp.cuda.get_current_stream())
+        self.quant.add_counts(rec.counts)
+        self.graph_replays += 1
+        return rec.out
+
+    def _capture(self, fn, x) -> _Graph:
+        pool = cp.cuda.MemoryPool()
+        stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.get_current_stream().synchronize()       # capture sees a quiet device
+        with cp.cuda.using_allocator(pool.malloc):
+            inp = cp.empty_like(x)                                           # (T, d)
+            inp[...] = x
+            with stream:
+                # one eager run fills the private pool with every block the work
+                # allocates, so the capture below is served from it (no cudaMalloc,
+                # which can invalidate a capture); its results are the same bits
+                fn(inp)
+                stream.synchronize()
+                before = self.quant.counters()
+                stream.begin_capture(_CAPTURE_RELAXED)
+                try:
+                    out = fn(inp)
+                finally:
+                    graph = stream.end_capture()
+        after = self.quant.counters()
+        self.quant.reset_counters()                      # the capture itself ran nothing
+        self.quant.add_counts(before)                    # (the eager warm run did: counted)
+        counts = {k: after[k] - before[k] for k in after}
+        # the scratch buffers the captured kernels read and write: kept alive for
+        # the graph's lifetime, so a later growth (new buffers) cannot free them
+        keep = (self.quant.scratch_refs(), self._cos_sin)
+        return _Graph(graph, inp, out, pool, counts, keep)
 
     def memory_report(self) -> dict:
         rep = dict(self.quant.memory_report()) if hasattr(self.quant, "memory_report") else {}

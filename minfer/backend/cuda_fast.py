@@ -31,6 +31,7 @@ times every piece on the 7B's shapes.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
@@ -42,10 +43,8 @@ from . import kernels
 
 try:
     import cupy as cp
-    from cupy_backends.cuda.libs import cublas
 except Exception as e:  # noqa: BLE001 - any import failure means no CUDA path
     cp = None
-    cublas = None
     _CUPY_ERROR = f"{type(e).__name__}: {e}"
 else:
     _CUPY_ERROR = None
@@ -65,6 +64,7 @@ CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT_TENSOR_OP = 99
 CUDA_R_32F = 0
 CUDA_R_16F = 2
+CUBLAS_WORKSPACE_BYTES = 32 << 20   # a fixed workspace: no allocation inside a graph capture
 
 
 def _require_cupy() -> None:
@@ -97,7 +97,7 @@ def _dev(a, what: str, dtype, size: int | None = None, shape=None):
 def _view(scratch, shape, what: str, dtype):
     """The leading prod(shape) elements of a flat scratch buffer, as `shape`
     (or a new array when scratch is None)."""
-    n = int(np.prod(shape))
+    n = math.prod(shape)             # (math.prod: np.prod costs microseconds per launch)
     if scratch is None:
         return cp.empty(shape, dtype=dtype)
     if not isinstance(scratch, cp.ndarray) or scratch.dtype != dtype or not scratch.flags.c_contiguous:
@@ -205,16 +205,57 @@ def gemm_f16(x16, w16, out):
     _dev(out, "gemm_f16 out", out.dtype, shape=(T, N))
     if T == 0:
         return out
-    handle = cp.cuda.device.get_cublas_handle()
-    cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
+    lib, handle = _cublas()
+    _ok(lib.cublasSetStream_v2(handle, ctypes.c_void_p(cp.cuda.get_current_stream().ptr)),
+        "cublasSetStream")
     c_type = CUDA_R_32F if out.dtype == cp.float32 else CUDA_R_16F
-    cublas.gemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K,
-                  _ONE.ctypes.data, w16.data.ptr, CUDA_R_16F, K,
-                  x16.data.ptr, CUDA_R_16F, K,
-                  _ZERO.ctypes.data, out.data.ptr, c_type, N,
-                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP)
+    _ok(lib.cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K,
+                         _ONE.ctypes.data, w16.data.ptr, CUDA_R_16F, K,
+                         x16.data.ptr, CUDA_R_16F, K,
+                         _ZERO.ctypes.data, out.data.ptr, c_type, N,
+                         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP), "cublasGemmEx")
     return out
+
+
+def _ok(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+
+@functools.lru_cache(maxsize=None)
+def _cublas_lib():
+    """The libcublas that cupy loaded, through ctypes: cupy's own wrappers refuse
+    to run inside a stream capture, while cuBLAS itself supports capture
+    (with a fixed workspace, set in _cublas)."""
+    cp.cuda.device.get_cublas_handle()              # makes cupy load libcublas
+    paths = sorted({line.split()[-1] for line in open("/proc/self/maps")
+                    if "/libcublas.so" in line})
+    if not paths:
+        raise MinferError("libcublas is not loaded in this process; cannot run the f16 GEMM")
+    lib = ctypes.CDLL(paths[0])
+    vp, i = ctypes.c_void_p, ctypes.c_int
+    lib.cublasSetStream_v2.argtypes = [vp, vp]
+    lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+    lib.cublasSetPointerMode_v2.argtypes = [vp, i]
+    lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+    return lib
+
+
+_WORKSPACES: dict = {}               # cuBLAS handle -> its workspace (kept alive)
+
+
+def _cublas():
+    """(lib, handle) for the current device, with host pointer mode and a fixed
+    workspace set once per handle."""
+    lib = _cublas_lib()
+    handle = cp.cuda.device.get_cublas_handle()
+    if handle not in _WORKSPACES:
+        ws = cp.empty(CUBLAS_WORKSPACE_BYTES, cp.uint8)                        # (32 MiB,)
+        _ok(lib.cublasSetWorkspace_v2(handle, ctypes.c_void_p(ws.data.ptr), ws.nbytes),
+            "cublasSetWorkspace")
+        _ok(lib.cublasSetPointerMode_v2(handle, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode")
+        _WORKSPACES[handle] = ws
+    return lib, ctypes.c_void_p(handle)
 
 
 def linear_f16(x, raw, qtype, n_out: int, n_in: int, out=None, x16=None, w16=None, w_exp=None,
@@ -222,18 +263,28 @@ def linear_f16(x, raw, qtype, n_out: int, n_in: int, out=None, x16=None, w16=Non
     """x (T, n_in) f32 @ W (n_out, n_in)^T [+ bias (n_out,) f32] -> (T, n_out) f32
     (or f16 if out is f16).
 
-    W is dequantized into the f16 scratch w16 (>= n_out*n_in elements, the largest
-    weight's size) and x rounded into the f16 scratch x16 (>= T*n_in), then one
-    cuBLAS GEMM; the bias is added in place, in f32. raw / qtype / w_exp as in
-    dequant_f16."""
+    x is rounded into the f16 scratch x16 (>= T*n_in), then `linear_f16_from`.
+    raw / qtype / w_exp as in dequant_f16."""
     _require_cupy()
     _dev(x, "linear_f16 x", cp.float32)
     if x.ndim != 2 or x.shape[1] != n_in:
         raise ValueError(f"linear_f16: x has shape {x.shape}, expected (T, {n_in})")
-    T = x.shape[0]
+    xh = cast_f16(x, _view(x16, x.shape, "linear_f16 x16", cp.float16))            # (T, n_in)
+    return linear_f16_from(xh, raw, qtype, n_out, n_in, out, w16, w_exp, bias)
+
+
+def linear_f16_from(xh, raw, qtype, n_out: int, n_in: int, out=None, w16=None, w_exp=None,
+                    bias=None):
+    """xh (T, n_in) f16 (already rounded) @ W (n_out, n_in)^T [+ bias] -> (T, n_out).
+
+    W is dequantized into the f16 scratch w16 (>= n_out*n_in elements, the largest
+    weight's size), then one cuBLAS GEMM; the bias is added in place, in f32.
+    Several weights that read the same input (q/k/v, gate/up) share one xh."""
+    if xh.ndim != 2 or xh.shape[1] != n_in:
+        raise ValueError(f"linear_f16: x16 has shape {xh.shape}, expected (T, {n_in})")
+    T = xh.shape[0]
     if out is None:
         out = cp.empty((T, n_out), dtype=cp.float32)                              # (T, n_out)
-    xh = cast_f16(x, _view(x16, (T, n_in), "linear_f16 x16", cp.float16))          # (T, n_in)
     wh = dequant_f16(raw, qtype, n_out, n_in, w16, w_exp)                          # (n_out, n_in)
     gemm_f16(xh, wh, out)
     if bias is not None:

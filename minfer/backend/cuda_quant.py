@@ -362,6 +362,19 @@ class QuantState:
     def reset_counters(self) -> None:
         self._counts = dict.fromkeys(PATHS, 0)
 
+    def add_counts(self, counts: dict) -> None:
+        """Add launch counts (a CUDA graph replay re-runs the launches it captured)."""
+        for k, n in counts.items():
+            self._counts[k] += n
+
+    def path_settings(self) -> tuple:
+        """What decides each launch's path besides the shapes (a CUDA graph key)."""
+        return (self._exp_on, self.f16_min_t)
+
+    def scratch_refs(self) -> tuple:
+        """The scratch buffers now in use (a captured graph keeps them alive)."""
+        return (self._scratch, self._f16)
+
     def _report_counts(self) -> None:
         for path, n in self._counts.items():
             print(f"[minfer mmq] {path}: {n}", file=sys.stderr)
@@ -399,21 +412,46 @@ class QuantState:
                 return matvec_q4k(x, w.data, w.n_out, bias, out)
             self._counts["q6k_mv"] += 1
             return matvec_q6k(x, w.data, w.n_out, bias, out)
+        if self._f16_ok(T, w):
+            return self._linears_f16(x, (w,), (bias,), (out,))[0]
         plane = None
         if w.qtype == QT.Q6_K:
             path, plane = self._q6k_path(w)
             self._counts[path] += 1
-        if T >= self.f16_min_t and w.n_out * w.n_in <= self._w16_cap:
-            self._counts["q4k_f16" if w.qtype == QT.Q4_K else "q6k_f16"] += 1
-            x16, w16 = self._f16_scratch(T * w.n_in)
-            return cuda_fast.linear_f16(x, w.data, w.qtype, w.n_out, w.n_in, out=out,
-                                        x16=x16, w16=w16, w_exp=plane, bias=bias)
         xq, xd, xs = quantize_q8_1(x, *self._q8_scratch(T, w.n_in))
         if w.qtype == QT.Q4_K:
             self._counts["q4k_mmq"] += 1
             return mmq_q4k(xq, xd, xs, w.data, w.n_out, bias, out)
         self._counts["q6k_mmq"] += 1
         return mmq_q6k(xq, xd, w.data, plane, w.n_out, bias, out)
+
+    def _f16_ok(self, T: int, w: GpuWeight) -> bool:
+        """Does a GEMM of T tokens with w take the f16 cuBLAS engine?"""
+        return (T >= self.f16_min_t and w.qtype in (QT.Q4_K, QT.Q6_K)
+                and w.n_out * w.n_in <= self._w16_cap)
+
+    def linears(self, x, ws, biases):
+        """Several weights reading the same x (q/k/v, gate/up) -> [f32 (T, n_out) each].
+        On the f16 engine x is rounded to f16 once for all of them."""
+        T = x.shape[0]
+        if not all(self._f16_ok(T, w) and w.n_in == x.shape[1] for w in ws):
+            return [self.linear(x, w, b) for w, b in zip(ws, biases)]
+        return self._linears_f16(x, ws, biases, (None,) * len(ws))
+
+    def _linears_f16(self, x, ws, biases, outs):
+        T = x.shape[0]
+        x16, w16 = self._f16_scratch(T * x.shape[1])
+        xh = cuda_fast.cast_f16(x, x16[:x.size].reshape(x.shape))                # (T, n_in)
+        ys = []
+        for w, b, o in zip(ws, biases, outs):
+            plane = None
+            if w.qtype == QT.Q6_K:
+                path, plane = self._q6k_path(w)
+                self._counts[path] += 1
+            self._counts["q4k_f16" if w.qtype == QT.Q4_K else "q6k_f16"] += 1
+            ys.append(cuda_fast.linear_f16_from(xh, w.data, w.qtype, w.n_out, w.n_in, out=o,
+                                                w16=w16, w_exp=plane, bias=b))
+        return ys
 
     def _q6k_path(self, w: GpuWeight):
         """-> (launch label, the W_exp plane or None) for a q6_K GEMM of w."""

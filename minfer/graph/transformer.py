@@ -30,7 +30,9 @@ class Transformer:
             raise MinferError(f"{pos0 + T} tokens do not fit the context of {cache.n_ctx}; "
                               f"shorten the prompt or raise the context size")
         x = be.embed(w.token_embd, tokens)                                   # (T, d)
-        x = self.blocks(x, pos0, cache)                                      # (T, d)
+        # the layers' device work, replayed from a CUDA graph when this (T, pos0)
+        # comes again for this cache (bench repetitions, perplexity chunks)
+        x = be.captured(cache, ("blocks", T, pos0), lambda x: self.blocks(x, pos0, cache), x)
         x = be.rows(x, T - 1 if logits_from is None else logits_from, T)
         x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
         return be.to_numpy(be.linear(x, w.output))                           # (n, vocab)
@@ -41,14 +43,15 @@ class Transformer:
         T, hd = x.shape[0], cfg.head_dim
         for i, L in enumerate(self.w.layers):
             h = be.rmsnorm(x, L.attn_norm, cfg.rms_eps)                      # (T, d)
-            q = be.linear(h, L.attn_q, L.attn_q_bias).reshape(T, cfg.n_head, hd)
-            k = be.linear(h, L.attn_k, L.attn_k_bias).reshape(T, cfg.n_head_kv, hd)
-            v = be.linear(h, L.attn_v, L.attn_v_bias).reshape(T, cfg.n_head_kv, hd)
-            q, k = be.rope(q, pos0), be.rope(k, pos0)
+            q, k, v = be.linears(h, (L.attn_q, L.attn_k, L.attn_v),
+                                 (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
+            q = be.rope(q.reshape(T, cfg.n_head, hd), pos0)                 # (T, n_head, hd)
+            k = be.rope(k.reshape(T, cfg.n_head_kv, hd), pos0)              # (T, n_kv, hd)
+            v = v.reshape(T, cfg.n_head_kv, hd)
             a = be.attention(q, k, v, cache, i, pos0)                        # (T, n_head*hd)
             x = be.add(x, be.linear(a, L.attn_output))
             h = be.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            f = be.swiglu(be.linear(h, L.ffn_gate), be.linear(h, L.ffn_up))  # (T, d_ff)
+            f = be.swiglu(*be.linears(h, (L.ffn_gate, L.ffn_up), (None, None)))  # (T, d_ff)
             x = be.add(x, be.linear(f, L.ffn_down))
         return x
 
