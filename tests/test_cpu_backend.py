@@ -210,3 +210,47 @@ def test_embed_dequantizes_only_the_rows_asked_for():
 def test_unknown_backend_is_a_minfer_error():
     with pytest.raises(MinferError, match="unknown backend"):
         get_backend("tpu", make_cfg(True))
+
+
+class _FakeTokenizer:
+    """Just what generate() needs: an EOG set and a streaming decoder."""
+
+    def __init__(self, eog):
+        self.eog_ids = eog
+
+    def stream_decoder(self):
+        return SimpleNamespace(push=lambda i: f"<{i}>", flush=lambda: "")
+
+
+def test_greedy_loop_stops_on_eog_and_full_context():
+    from minfer.generate import GenerationStats, generate
+
+    rng = np.random.default_rng(9)
+    cfg = make_cfg(True, vocab=7)              # a small vocabulary makes repeats likely
+    be, model, _ = random_model(cfg, rng)
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, 5)]
+
+    def engine(eog, n_ctx=64):
+        return SimpleNamespace(model=model, backend=be, tokenizer=_FakeTokenizer(eog),
+                               new_cache=lambda: be.new_cache(n_ctx))
+
+    # the greedy chain, recomputed from scratch at every step (no KV cache reuse)
+    want: list[int] = []
+    for _ in range(8):
+        ids = np.array(prompt + want, np.int32)
+        want.append(int(model.forward(ids, 0, be.new_cache(len(ids)))[-1].argmax()))
+
+    text: list[str] = []
+    got = list(generate(engine({want[0]}), prompt, 8, ignore_eos=True, on_text=text.append))
+    assert got == want and "".join(text) == "".join(f"<{i}>" for i in want)
+
+    k = next(i for i in range(1, 8) if want[i] not in want[:i])   # this seed's chain has one
+    st = GenerationStats()                     # the first new token after the start is EOG
+    assert list(generate(engine({want[k]}), prompt, 8, stats=st)) == want[:k]
+    assert st.stop == "eog" and st.n_generated == k
+
+    st = GenerationStats()                     # context of prompt + 3: 4 tokens fit
+    assert list(generate(engine(set(), n_ctx=len(prompt) + 3), prompt, 8, stats=st)) == want[:4]
+    assert st.stop == "context"
+    with pytest.raises(MinferError, match="empty prompt"):
+        list(generate(engine(set()), [], 3))
