@@ -177,6 +177,35 @@ cast_f32_f16(const float4* __restrict__ x, uint2* __restrict__ y, long long n4) 
     }
 }
 
+// f16 halves -> f32 (exact)
+__device__ __forceinline__ float f16_to_f32(u32 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+    return f;
+}
+
+// gate, up (n,) f16 -> y (n,) f16 = silu(gate) * up, computed in f32 as
+// swiglu_f32 (elementwise.cu) and rounded once: the f16 FFN (QuantState.ffn)
+// keeps its (T, d_ff) intermediates in f16, the precision the down GEMM reads.
+// 4 elements per thread (8-byte loads and stores), n % 4 == 0.
+extern "C" __global__ void
+swiglu_f16(const uint2* __restrict__ gate, const uint2* __restrict__ up,
+           uint2* __restrict__ y, long long n4) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
+         i += (long long)gridDim.x * blockDim.x) {
+        const uint2 g = gate[i], u = up[i];
+        float r[4];
+        const u32 gw[2] = {g.x, g.y}, uw[2] = {u.x, u.y};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float gf = f16_to_f32((gw[k >> 1] >> (16 * (k & 1))) & 0xFFFF);
+            const float uf = f16_to_f32((uw[k >> 1] >> (16 * (k & 1))) & 0xFFFF);
+            r[k] = gf / (1.0f + expf(-gf)) * uf;
+        }
+        y[i] = make_uint2(pack_f16x2(r[0], r[1]), pack_f16x2(r[2], r[3]));
+    }
+}
+
 #ifdef MINFER_SASS_INSTANTIATE
 // All kernels here are plain extern "C" (no templates): compiling the file
 // (nvcc -arch=sm_90 -c -Xptxas -v) already emits SASS for each of them.

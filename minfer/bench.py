@@ -67,10 +67,11 @@ def prompt_ids(vocab: int, n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, size=n, dtype=np.int32)
 
 
-def time_prefill(engine, cache, tokens: np.ndarray, timer: Timer) -> float:
-    """Seconds for one prefill of `tokens` from position 0 (LM head on the last position)."""
+def time_prefill(engine, cache, tokens: np.ndarray, timer: Timer, logits_from: int | None = None) -> float:
+    """Seconds for one prefill of `tokens` from position 0 (LM head on the last
+    position, or on positions logits_from.. like perplexity)."""
     timer.start()
-    engine.model.forward(tokens, 0, cache)
+    engine.model.forward(tokens, 0, cache, logits_from)
     return timer.stop()
 
 

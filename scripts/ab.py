@@ -65,7 +65,8 @@ def load_with_env(model, backend: str, n_ctx: int, env: dict[str, str]):
                 os.environ[k] = v
 
 
-def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int) -> dict:
+def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
+        logits_from: int | None = None) -> dict:
     if reps < 1 or P < 1:
         raise MinferError(f"-r and -p must be positive, got {reps} and {P}")
     toggle = set(a) | set(b) == {EXP_KEY} and a.get(EXP_KEY) != b.get(EXP_KEY) and backend == "cuda"
@@ -86,7 +87,7 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int) -> 
     def one(side: str) -> float:
         if toggle:
             engines[side].backend.quant.set_exp_enabled(exp_on[side])
-        return time_prefill(engines[side], caches[side], tokens, timers[side])
+        return time_prefill(engines[side], caches[side], tokens, timers[side], logits_from)
 
     for side in "AB":                   # warm-up, untimed: first use eager, second
         one(side)                       # captures a CUDA graph (replayed by the reps)
@@ -106,6 +107,7 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int) -> 
                 for k, v in q.counters().items():
                     counts[side][k] = counts[side].get(k, 0) + v
     res = {"model": str(model), "backend": backend, "n_tokens": P, "reps": reps,
+           "logits_from": logits_from,
            "mode": "toggle" if toggle else "two engines", "order": order}
     for side, setting in (("A", a), ("B", b)):
         tps = [P / s for s in secs[side]]
@@ -123,7 +125,9 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int) -> 
 
 def report(r: dict) -> str:
     fmt = lambda s: ", ".join(f"{k}={v}" for k, v in s.items())
-    lines = [f"A/B prefill of {r['n_tokens']} tokens, {r['reps']} reps interleaved, "
+    head = ("LM head on the last position" if r.get("logits_from") is None
+            else f"LM head on positions {r['logits_from']}.. (perplexity-shaped)")
+    lines = [f"A/B prefill of {r['n_tokens']} tokens ({head}), {r['reps']} reps interleaved, "
              f"{r['backend']}, mode: {r['mode']}"]
     for side in "AB":
         s = r[side]
@@ -149,11 +153,13 @@ def main(argv=None) -> int:
     ap.add_argument("--b", action="append", required=True, metavar="KEY=VALUE", help="setting B")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--logits-from", type=int, default=None,
+                    help="LM head on positions N.. (0: all, as perplexity does); default: the last")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     args = ap.parse_args(argv)
     try:
         r = run(args.model, args.n_tokens, args.reps, parse_setting(args.a), parse_setting(args.b),
-                args.backend, args.seed)
+                args.backend, args.seed, args.logits_from)
     except MinferError as e:
         print(f"ab: error: {e}", file=sys.stderr)
         return 2

@@ -6,8 +6,11 @@
 Times `QuantState.linear` on the 7B's layer shapes (q4_K attn_q/attn_k/
 ffn_gate, q6_K attn_v/ffn_down with their W_exp planes) at each token count,
 once with every GEMM forced onto MMQ and once onto the f16 path, interleaved
-rep by rep (CUDA events, medians). Prints a table and the smallest T at which
-the f16 path wins for the layer as a whole: the basis of F16_GEMM_MIN_T.
+rep by rep (CUDA events, medians), two ways: one eager call on an idle device
+(host time included: what a one-shot prompt pays) and one replay of the call
+captured in a CUDA graph (device time alone: what repeated shapes pay). Prints
+a table and, for each, the smallest T from which the f16 path wins for the
+layer as a whole: the basis of F16_GEMM_MIN_T.
 """
 from __future__ import annotations
 
@@ -56,35 +59,62 @@ def main() -> int:
         ws.append((name, st.register(name, info(name, qt, n_out, n_in), quants.quantize(x, qt, search=False)), n))
     xs = cp.asarray(rng.standard_normal((max(ts), 18944), dtype=np.float32))
 
-    def run(w, T) -> float:
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    def eager_ms(w, T) -> float:
+        """one call on an idle device: what a one-shot prompt pays (host included)"""
         x = xs[:T, :w.n_in].copy()
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record()
         st.linear(x, w)
         e1.record()
         e1.synchronize()
         return cp.cuda.get_elapsed_time(e0, e1)
 
-    print(f"{'T':>5} {'weight':<22}{'mmq ms':>9}{'f16 ms':>9}{'f16/mmq':>9}")
+    def graph_ms(w, T) -> float:
+        """device time alone: the call captured in a CUDA graph, one replay timed"""
+        x = xs[:T, :w.n_in].copy()
+        y = cp.empty((T, w.n_out), cp.float32)
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            st.linear(x, w, out=y)                     # scratch and pool warm
+            s.synchronize()
+            s.begin_capture(getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", 2))
+            st.linear(x, w, out=y)
+            g = s.end_capture()
+            g.launch(s)
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(s)
+            g.launch(s)
+            e1.record(s)
+            e1.synchronize()
+        return cp.cuda.get_elapsed_time(e0, e1)
+
+    print(f"{'T':>5} {'weight':<12}{'eager: mmq':>11}{'f16':>8}{'f16/mmq':>8}"
+          f"{'graph: mmq':>12}{'f16':>8}{'f16/mmq':>8}   (ms, medians)")
     wins = []
     for T in ts:
-        layer = {"mmq": 0.0, "f16": 0.0}
+        layer = dict.fromkeys(("e_mmq", "e_f16", "g_mmq", "g_f16"), 0.0)
         for name, w, n in ws:
-            t = {"mmq": [], "f16": []}
+            t = {k: [] for k in layer}
             for rep in range(a.reps + 2):                     # 2 warm-ups, then A B A B ...
                 for eng, min_t in (("mmq", 1 << 30), ("f16", 2)):
                     st.f16_min_t = min_t
-                    ms = run(w, T)
+                    e, g = eager_ms(w, T), graph_ms(w, T)
                     if rep >= 2:
-                        t[eng].append(ms)
+                        t["e_" + eng].append(e)
+                        t["g_" + eng].append(g)
             m = {k: statistics.median(v) for k, v in t.items()}
-            layer["mmq"] += n * m["mmq"]
-            layer["f16"] += n * m["f16"]
-            print(f"{T:>5} {name.split('.')[2]:<22}{m['mmq']:9.3f}{m['f16']:9.3f}{m['f16'] / m['mmq']:9.2f}")
-        print(f"{T:>5} {'= layer':<22}{layer['mmq']:9.3f}{layer['f16']:9.3f}{layer['f16'] / layer['mmq']:9.2f}")
-        wins.append((T, layer["f16"] < layer["mmq"]))
-    first = next((T for T, w in wins if w and all(w2 for T2, w2 in wins if T2 >= T)), None)
-    print(f"f16 path wins for the whole layer from T = {first}")
+            for k in layer:
+                layer[k] += n * m[k]
+            print(f"{T:>5} {name.split('.')[2]:<12}{m['e_mmq']:11.3f}{m['e_f16']:8.3f}"
+                  f"{m['e_f16'] / m['e_mmq']:8.2f}{m['g_mmq']:12.3f}{m['g_f16']:8.3f}{m['g_f16'] / m['g_mmq']:8.2f}")
+        m = layer
+        print(f"{T:>5} {'= layer':<12}{m['e_mmq']:11.3f}{m['e_f16']:8.3f}{m['e_f16'] / m['e_mmq']:8.2f}"
+              f"{m['g_mmq']:12.3f}{m['g_f16']:8.3f}{m['g_f16'] / m['g_mmq']:8.2f}")
+        wins.append((T, m["e_f16"] < m["e_mmq"], m["g_f16"] < m["g_mmq"]))
+    st.f16_min_t = 1 << 30
+    for i, label in ((0, "eager"), (1, "graph (device time)")):
+        first = next((T for T, *w in wins if all(w2[i] for T2, *w2 in wins if T2 >= T)), None)
+        print(f"{label}: f16 path wins for the whole layer from T = {first}")
     return 0
 
 

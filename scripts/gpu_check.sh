@@ -156,6 +156,12 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             rc=$?
             cat "$LOG/ab.txt" >>"$LOG/bench.log"
             [ $rc = 0 ] && record ab-exp ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-exp FAIL "rc=$rc"
+            # the LM head over many positions (perplexity-shaped) runs MMQ: there the plane stages B
+            timeout 200 python3 scripts/ab.py -m "$TWIN" -p 512 --logits-from 256 -r ${AB_REPS:-7} \
+                --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0 >"$LOG/ab.txt" 2>&1
+            rc=$?
+            cat "$LOG/ab.txt" >>"$LOG/bench.log"
+            [ $rc = 0 ] && record ab-exp-head ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-exp-head FAIL "rc=$rc"
             rm -f "$LOG/ab.txt"
         fi
         if [ "${AB_GRAPHS:-1}" = 1 ]; then       # CUDA graphs of the layers vs eager, at 512 tokens
@@ -164,6 +170,14 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             rc=$?
             cat "$LOG/ab.txt" >>"$LOG/bench.log"
             [ $rc = 0 ] && record ab-graphs ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-graphs FAIL "rc=$rc"
+            rm -f "$LOG/ab.txt"
+        fi
+        if [ "${AB_FFN:-1}" = 1 ]; then          # f16 FFN intermediates vs f32, at 3325 tokens
+            timeout 200 python3 scripts/ab.py -m "$TWIN" -p 3325 -r ${AB_REPS:-7} \
+                --a MINFER_FFN_F16=1 --b MINFER_FFN_F16=0 >"$LOG/ab.txt" 2>&1
+            rc=$?
+            cat "$LOG/ab.txt" >>"$LOG/bench.log"
+            [ $rc = 0 ] && record ab-ffn16 ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-ffn16 FAIL "rc=$rc"
             rm -f "$LOG/ab.txt"
         fi
         # greedy stream from the 7B twin, byte-identical across the three q6_K modes
@@ -182,7 +196,7 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             record 7b-greedy-modes FAIL "streams differ or are empty (see bench.log)"
         fi
         timeout 150 python3 scripts/gemm_paths.py -r 7 >>"$LOG/bench.log" 2>&1 \
-            && record gemm-paths ok "$(grep -m1 'wins for the whole layer' "$LOG/bench.log")" \
+            && record gemm-paths ok "$(grep 'wins for the whole layer' "$LOG/bench.log" | tr '\n' ' ')" \
             || record gemm-paths FAIL "see bench.log"
     else
         record twin FAIL "see bench.log"

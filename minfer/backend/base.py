@@ -50,6 +50,11 @@ class Backend(ABC):
         backend may share work on x between them (the CUDA f16 engine rounds x once)."""
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
 
+    def ffn(self, h, gate, up, down) -> Any:
+        """SwiGLU feed-forward: h (T, d) -> down(silu(gate h) * (up h)) (T, d); a
+        backend may fuse it or keep the (T, d_ff) intermediates in lower precision."""
+        return self.linear(self.swiglu(*self.linears(h, (gate, up), (None, None))), down)
+
     @abstractmethod
     def rope(self, x, pos0: int) -> Any:
         """x (T, n_heads, hd) at positions pos0..pos0+T-1 -> rotated (T, n_heads, hd);

@@ -200,6 +200,11 @@ class CUDABackend(Backend):
         _f32(x, "linears x", 2)
         return self._guard("running a linear layer", self.quant.linears, x, ws, biases)
 
+    def ffn(self, h, gate, up, down):
+        _f32(h, "ffn h", 2)
+        y = self._guard("running the FFN", self.quant.ffn, h, gate, up, down)
+        return super().ffn(h, gate, up, down) if y is None else y
+
     def rmsnorm(self, x, w, eps: float, out=None):
         return self._guard("running rmsnorm", rmsnorm, x, w, eps, out=out)
 
@@ -245,13 +250,16 @@ class CUDABackend(Backend):
         x is copied into the graph's input buffer and its output array returned
         (valid until the next replay of the same key). Launch counters add the
         counts the captured work recorded, once per replay."""
+        # a decode step (one token) runs eagerly: its position never repeats
+        # within a generation, so its graph would only ever replay in benchmarks
+        if not self.graphs_on or x.shape[0] == 1:
+            return fn(x)
         # a capture bakes in every launch decision (GEMM engine, W_exp plane or
         # not), so the settings that make them are part of the key
         key = (key, self.quant.path_settings())
-        rec = cache.graphs.get(key) if self.graphs_on else None
-        if not self.graphs_on or rec is None:
-            if self.graphs_on:
-                cache.graphs[key] = SEEN
+        rec = cache.graphs.get(key)
+        if rec is None:
+            cache.graphs[key] = SEEN
             return fn(x)
         if rec is SEEN:
             try:

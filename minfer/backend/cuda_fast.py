@@ -181,6 +181,22 @@ def cast_f16(x, out=None):
     return y
 
 
+def swiglu_f16(gate, up, out=None):
+    """gate, up f16 (same shape, size % 4 == 0) -> silu(gate) * up, f16 (f32 math)."""
+    _require_cupy()
+    _dev(gate, "swiglu_f16 gate", cp.float16)
+    _dev(up, "swiglu_f16 up", cp.float16, shape=gate.shape)
+    if gate.size % 4:
+        raise ValueError(f"swiglu_f16: {gate.size} elements, need a multiple of 4")
+    y = _view(out, gate.shape, "swiglu_f16 out", cp.float16)
+    _dev(y, "swiglu_f16 out", cp.float16)
+    n4 = gate.size // 4
+    if n4:
+        blocks = min((n4 + DEQ_THREADS - 1) // DEQ_THREADS, 65535)      # grid-stride beyond
+        _fn("dequant_f16.cu", "swiglu_f16")((blocks,), (DEQ_THREADS,), (gate, up, y, np.int64(n4)))
+    return y
+
+
 # --- GEMM ---------------------------------------------------------------------
 _ONE = np.ones(1, np.float32)     # host scalars: CUBLAS_COMPUTE_32F takes float alpha/beta,
 _ZERO = np.zeros(1, np.float32)   # read at call time (host pointer mode), so capture-safe

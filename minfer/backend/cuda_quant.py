@@ -32,6 +32,7 @@ The W_exp bundle (seed/000 §2.3, §3.1, §3.2, §3.3 pitfall #1):
 
 Environment (read once, in QuantState()):
     MINFER_MMQ_Q6K_EXP=0          register no planes (every q6_K GEMM counts `exp=off`)
+    MINFER_FFN_F16=0              FFN intermediates in f32 (no fused f16 FFN)
     MINFER_MMQ_RAW_NB_DEBUG=1     print the launch-path counts at exit, one line each
     MINFER_TEST_FORCE_EXP_MISS=1  test only: simulate a failed plane registration
 """
@@ -74,8 +75,13 @@ PATHS = ("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
          "q4k_mv", "q6k_mv", "f32_gemm")
 
 # Prefill GEMMs of at least this many tokens take the f16 cuBLAS path, shorter
-# ones the int8 MMQ (docs/PERF.md, "GEMM engine by prompt length").
-F16_GEMM_MIN_T = 64
+# ones the int8 MMQ. Measured on the H200 at the 7B's shapes (scripts/gemm_paths.py,
+# docs/PERF.md "GEMM engine by prompt length"): the f16 path wins for the layer
+# as a whole from T = 2 up, eager (0.65x the MMQ time at T = 2) and as device time
+# (0.36x), so every prefill GEMM takes it; MMQ (with the W_exp bundle) serves the
+# tables kept out of the f16 scratch (the LM head over many positions: perplexity,
+# teacher forcing) and any caller that moves f16_min_t.
+F16_GEMM_MIN_T = 2
 
 # tables, not linears of the layer stack: never dequantized whole into the f16
 # scratch (the 7B's LM head alone would need a 1.09 GB scratch; it sees one row
@@ -260,6 +266,9 @@ class QuantState:
         self._counts = dict.fromkeys(PATHS, 0)
         self._scratch = None                 # grow-only q8_1 activation buffers
         self.f16_min_t = F16_GEMM_MIN_T      # GEMM engine switch (bench scripts may move it)
+        # MINFER_FFN_F16=0: the FFN's (T, d_ff) intermediates stay f32 (three
+        # linears + swiglu, as the CPU reference), for A/B and numerics checks
+        self.ffn_f16 = os.environ.get("MINFER_FFN_F16", "1") != "0"
         self._w16_cap = 0                    # elements of the largest f16-path weight
         self._f16 = None                     # (x16, w16) grow-only f16 scratch
         if self.debug:
@@ -369,7 +378,7 @@ class QuantState:
 
     def path_settings(self) -> tuple:
         """What decides each launch's path besides the shapes (a CUDA graph key)."""
-        return (self._exp_on, self.f16_min_t)
+        return (self._exp_on, self.f16_min_t, self.ffn_f16)
 
     def scratch_refs(self) -> tuple:
         """The scratch buffers now in use (a captured graph keeps them alive)."""
@@ -438,19 +447,43 @@ class QuantState:
             return [self.linear(x, w, b) for w, b in zip(ws, biases)]
         return self._linears_f16(x, ws, biases, (None,) * len(ws))
 
+    def ffn(self, h, gate: GpuWeight, up: GpuWeight, down: GpuWeight):
+        """SwiGLU FFN on the f16 engine: h f32 (T, d) -> down(silu(gate h) * up h)
+        f32 (T, d), its (T, d_ff) intermediates in f16 (the gate/up GEMMs write f16,
+        swiglu reads and writes f16, the down GEMM reads it: no f32 round trip).
+        None when the f16 engine does not take these weights at this T."""
+        T = h.shape[0]
+        if not (self.ffn_f16 and all(self._f16_ok(T, w) for w in (gate, up, down))
+                and gate.n_in == up.n_in == h.shape[1] and down.n_in == gate.n_out == up.n_out):
+            return None
+        d_ff = gate.n_out
+        x16, w16 = self._f16_scratch(T * max(h.shape[1], d_ff))
+        xh = cuda_fast.cast_f16(h, x16[:h.size].reshape(h.shape))                # (T, d)
+        gu = [cuda_fast.linear_f16_from(xh, w.data, w.qtype, w.n_out, w.n_in,
+                                        out=cp.empty((T, d_ff), cp.float16),     # (T, d_ff)
+                                        w16=w16, w_exp=self._count_f16(w))
+              for w in (gate, up)]
+        f = cuda_fast.swiglu_f16(*gu, out=x16)                                   # (T, d_ff)
+        return cuda_fast.linear_f16_from(f, down.data, down.qtype, down.n_out, down.n_in,
+                                         w16=w16, w_exp=self._count_f16(down))
+
+    def _count_f16(self, w: GpuWeight):
+        """Count one f16-engine GEMM of w -> the W_exp plane to dequantize from, or None."""
+        plane = None
+        if w.qtype == QT.Q6_K:
+            path, plane = self._q6k_path(w)
+            self._counts[path] += 1
+        self._counts["q4k_f16" if w.qtype == QT.Q4_K else "q6k_f16"] += 1
+        return plane
+
     def _linears_f16(self, x, ws, biases, outs):
         T = x.shape[0]
         x16, w16 = self._f16_scratch(T * x.shape[1])
         xh = cuda_fast.cast_f16(x, x16[:x.size].reshape(x.shape))                # (T, n_in)
         ys = []
         for w, b, o in zip(ws, biases, outs):
-            plane = None
-            if w.qtype == QT.Q6_K:
-                path, plane = self._q6k_path(w)
-                self._counts[path] += 1
-            self._counts["q4k_f16" if w.qtype == QT.Q4_K else "q6k_f16"] += 1
             ys.append(cuda_fast.linear_f16_from(xh, w.data, w.qtype, w.n_out, w.n_in, out=o,
-                                                w16=w16, w_exp=plane, bias=b))
+                                                w16=w16, w_exp=self._count_f16(w), bias=b))
         return ys
 
     def _q6k_path(self, w: GpuWeight):

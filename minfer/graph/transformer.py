@@ -51,8 +51,7 @@ class Transformer:
             a = be.attention(q, k, v, cache, i, pos0)                        # (T, n_head*hd)
             x = be.add(x, be.linear(a, L.attn_output))
             h = be.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            f = be.swiglu(*be.linears(h, (L.ffn_gate, L.ffn_up), (None, None)))  # (T, d_ff)
-            x = be.add(x, be.linear(f, L.ffn_down))
+            x = be.add(x, be.ffn(h, L.ffn_gate, L.ffn_up, L.ffn_down))        # SwiGLU
         return x
 
     def prefill(self, tokens, cache) -> np.ndarray:

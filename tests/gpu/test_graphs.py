@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from minfer.backend.cuda_quant import F16_GEMM_MIN_T   # imports without cupy too
+
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,10 +45,12 @@ def _eager(engine, tokens, cache):
         be.graphs_on = on
 
 
-@pytest.mark.parametrize("T", [7, 70, 333])      # MMQ (T < 64) and the f16 cuBLAS engine
-def test_replay_equals_eager_and_counts(engine, T):
+@pytest.mark.parametrize("T,gemm", [(7, "f16"), (70, "f16"), (333, "f16"), (40, "mmq")])
+def test_replay_equals_eager_and_counts(engine, T, gemm, monkeypatch):
     be = engine.backend
     assert be.graphs_on, "MINFER_CUDA_GRAPHS=0 in the environment"
+    if gemm == "mmq":                            # pin the int8 MMQ engine (and W_exp staging)
+        monkeypatch.setattr(be.quant, "f16_min_t", 1 << 30)
     cache = engine.new_cache()
     toks = _tokens(T, T, engine.cfg.vocab_size)
     want, want_counts = _eager(engine, toks, cache)
@@ -72,7 +76,14 @@ def test_exp_toggle_is_not_baked_into_a_replay(engine):
     """set_exp_enabled after a capture must change the launches: the W_exp path
     decision is part of the graph key, so a toggled run captures its own graph."""
     be, cache = engine.backend, engine.new_cache()
-    toks = _tokens(40, 3, engine.cfg.vocab_size)                   # MMQ: planes in use
+    toks = _tokens(40, 3, engine.cfg.vocab_size)
+    for f16_min_t in (1 << 30, 2):                                 # MMQ, then the f16 engine
+        be.quant.f16_min_t = f16_min_t
+        _toggle_exp(engine, be, cache, toks)
+    be.quant.f16_min_t = F16_GEMM_MIN_T
+
+
+def _toggle_exp(engine, be, cache, toks):
     try:
         for on in (True, False, True, False):
             be.quant.set_exp_enabled(on)

@@ -8,6 +8,7 @@ an element the kernel forgets to write fails the test.
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -267,7 +268,7 @@ def test_embed_rows_bit_exact(cp, cq, qtype):
 
 # --- liveness through QuantState.linear (seed §4: the fast path is taken) ----- #
 
-def _linear_counts(cp, cq, monkeypatch, env: dict, T=7, toggle_off=False):
+def _linear_counts(cp, cq, monkeypatch, env: dict, T=7, toggle_off=False, engine="mmq"):
     for k in ("MINFER_MMQ_Q6K_EXP", "MINFER_TEST_FORCE_EXP_MISS", "MINFER_MMQ_RAW_NB_DEBUG"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
@@ -276,6 +277,7 @@ def _linear_counts(cp, cq, monkeypatch, env: dict, T=7, toggle_off=False):
     n_out, K = 200, 512
     raw = _weights(QT.Q6_K, n_out, K, seed=5)
     st = cq.QuantState()
+    st.f16_min_t = 1 << 30 if engine == "mmq" else 2     # pin the GEMM engine under test
     name = "blk.3.ffn_down.weight"
     w = st.register(name, _info(name, QT.Q6_K, n_out, K), raw)
     if toggle_off:
@@ -284,16 +286,22 @@ def _linear_counts(cp, cq, monkeypatch, env: dict, T=7, toggle_off=False):
     return st.counters(), y, st, w          # w keeps its plane alive
 
 
-def test_linear_liveness_paths(cp, cq, monkeypatch, capsys):
-    on, y_on, st, w = _linear_counts(cp, cq, monkeypatch, {})
+@pytest.mark.parametrize("engine", ["mmq", "f16"])
+def test_linear_liveness_paths(cp, cq, monkeypatch, capsys, engine):
+    """The q6_K labels say where B came from on either GEMM engine; the W_exp
+    plane (MMQ: cp.async staging; f16: the dequantizer's source) and the padded
+    blocks give the same bits."""
+    lc = functools.partial(_linear_counts, engine=engine)
+    on, y_on, st, w = lc(cp, cq, monkeypatch, {})
+    assert on[f"q6k_{engine}"] == 1
     assert on["q6k exp"] == 1 and on["q6k exp=off"] == 0 and on["q6k fallback!"] == 0
     assert st.plane_bytes == 200 * 512 == st.plane_sum_odid
-    off, y_off, st, w = _linear_counts(cp, cq, monkeypatch, {"MINFER_MMQ_Q6K_EXP": "0"})
+    off, y_off, st, w = lc(cp, cq, monkeypatch, {"MINFER_MMQ_Q6K_EXP": "0"})
     assert off["q6k exp=off"] == 1 and off["q6k exp"] == 0 and off["q6k fallback!"] == 0
     assert st.plane_bytes == 0
-    tog, y_tog, st, w = _linear_counts(cp, cq, monkeypatch, {}, toggle_off=True)
+    tog, y_tog, st, w = lc(cp, cq, monkeypatch, {}, toggle_off=True)
     assert tog["q6k exp=off"] == 1 and tog["q6k exp"] == 0 and st.plane_bytes == 200 * 512
-    miss, y_miss, st, w = _linear_counts(cp, cq, monkeypatch, {"MINFER_TEST_FORCE_EXP_MISS": "1"})
+    miss, y_miss, st, w = lc(cp, cq, monkeypatch, {"MINFER_TEST_FORCE_EXP_MISS": "1"})
     assert miss["q6k fallback!"] == 1 and miss["q6k exp"] == 0
     assert capsys.readouterr().err.count("WARNING: W_exp plane registration failed") == 1
     for y in (y_off, y_tog, y_miss):                               # one accumulation order
@@ -306,6 +314,7 @@ def test_linear_routes_matvec_and_q4k(cp, cq, monkeypatch):
     c1, _, _, _ = _linear_counts(cp, cq, monkeypatch, {}, T=1)
     assert c1["q6k_mv"] == 1 and c1["q6k exp"] == 0
     st = cq.QuantState()
+    st.f16_min_t = 1 << 30                                  # MMQ for T > 1
     raw = _weights(QT.Q4_K, 264, 512, seed=6)
     w = st.register("blk.0.attn_q.weight", _info("blk.0.attn_q.weight", QT.Q4_K, 264, 512), raw)
     x = _acts(33, 512, seed=6)
@@ -315,6 +324,14 @@ def test_linear_routes_matvec_and_q4k(cp, cq, monkeypatch):
     st.linear(cp.asarray(x[:1]), w)
     assert st.counters()["q4k_mmq"] == 1 and st.counters()["q4k_mv"] == 1
     assert st.memory_report()["q4_K weights"] == raw.nbytes
+    # the default engine for T >= F16_GEMM_MIN_T: W and x rounded once to f16
+    # (relative 2^-11 each), products summed in f32: well inside 4e-3 of max|y|
+    st.f16_min_t = cq.F16_GEMM_MIN_T
+    y16 = cp.asnumpy(st.linear(cp.asarray(x), w, bias=cp.asarray(bias)))
+    ref = (x.astype(np.float64) @ quants.dequantize_rows(raw, QT.Q4_K, 512).astype(np.float64).T
+           + bias)
+    assert np.abs(y16 - ref).max() <= 4e-3 * np.abs(ref).max()
+    assert st.counters()["q4k_f16"] == 1
 
 
 def test_debug_counts_printed_at_exit(cp):
@@ -341,3 +358,37 @@ def test_debug_counts_printed_at_exit(cp):
     assert p.returncode == 0, p.stderr
     assert "[minfer mmq] q6k exp: 2" in p.stderr
     assert "[minfer mmq] q6k fallback!: 0" in p.stderr
+
+
+def test_ffn_f16_vs_reference(cp, cq):
+    """QuantState.ffn (the f16 engine's SwiGLU FFN): gate/up GEMMs write f16, swiglu
+    reads and writes f16, the down GEMM reads it. Reference: the same roundings in
+    float64 (x, W, g, u and f rounded to f16 once each). What remains is f32
+    accumulation order, which can move a g/u/f value across an f16 rounding
+    boundary (one ulp, 2^-11 relative) now and then: 2e-3 of max|y| holds that."""
+    T, d, d_ff = 37, 512, 768
+    st = cq.QuantState()
+    ws = {}
+    for name, qt, n_out, K in (("blk.0.ffn_gate.weight", QT.Q4_K, d_ff, d),
+                               ("blk.0.ffn_up.weight", QT.Q4_K, d_ff, d),
+                               ("blk.0.ffn_down.weight", QT.Q6_K, d, d_ff)):
+        raw = _weights(qt, n_out, K, seed=11)
+        ws[name.split(".")[2]] = (st.register(name, _info(name, qt, n_out, K), raw),
+                                  quants.dequantize_rows(raw, qt, K))
+    h = _acts(T, d, seed=11) * 0.3
+    y = cp.asnumpy(st.ffn(cp.asarray(h), ws["ffn_gate"][0], ws["ffn_up"][0], ws["ffn_down"][0]))
+
+    f16 = lambda a: a.astype(np.float16).astype(np.float64)
+    h16 = f16(h)
+    g = f16(h16 @ f16(ws["ffn_gate"][1]).T)
+    u = f16(h16 @ f16(ws["ffn_up"][1]).T)
+    f = f16(g / (1.0 + np.exp(-g)) * u)
+    ref = f @ f16(ws["ffn_down"][1]).T
+    assert y.shape == (T, d) and np.isfinite(y).all()
+    assert np.abs(y - ref).max() <= 2e-3 * np.abs(ref).max()
+    c = st.counters()
+    assert c["q4k_f16"] == 2 and c["q6k_f16"] == 1 and c["q6k exp"] == 1
+    st.set_exp_enabled(False)                      # the padded blocks give the same bits
+    y_off = cp.asnumpy(st.ffn(cp.asarray(h), ws["ffn_gate"][0], ws["ffn_up"][0], ws["ffn_down"][0]))
+    assert np.array_equal(y_off.view(np.uint32), y.view(np.uint32))
+    assert st.counters()["q6k exp=off"] == 1
