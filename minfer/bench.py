@@ -113,6 +113,9 @@ def memory(engine, cache) -> dict:
         out["w_exp_plane_sum_odid"] = int(quant.plane_sum_odid)   # od*id over the planes (computed)
     if be.name == "cuda":
         import cupy
+        # the private pools of the captured CUDA graphs (their intermediates)
+        out["graph_pools"] = sum(int(g.pool.total_bytes())
+                                 for g in getattr(cache, "graphs", {}).values() if hasattr(g, "pool"))
         pool = cupy.get_default_memory_pool()
         free, total = cupy.cuda.runtime.memGetInfo()
         out["pool_used"] = int(pool.used_bytes())
@@ -236,7 +239,8 @@ def format_report(r: dict) -> str:
     if "w_exp_planes" in m:
         lines.append(f"| W_exp planes (allocated) | {m['w_exp_planes']:,} | "
                      f"plane sum od×id = {m['w_exp_plane_sum_odid']:,} |")
-    labels = {"kv_cache": "KV cache", "pool_used": "memory pool used", "pool_total": "memory pool total",
+    labels = {"kv_cache": "KV cache", "graph_pools": "CUDA graph pools (intermediates)",
+              "pool_used": "memory pool used", "pool_total": "memory pool total",
               "device_used": "device used (memGetInfo)", "device_total": "device total",
               "host_peak_rss": "host peak RSS"}
     for k, label in labels.items():
