@@ -128,13 +128,13 @@ class CUDABackend(Backend):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         if cp is None:
-            raise MinferError(f"the CUDA backend needs cupy ({_CUPY_ERROR}); "
+            raise MinferError(f"CUDA backend unavailable: cupy does not import ({_CUPY_ERROR}); "
                               f"install minfer[cuda12] or minfer[cuda13], or use --backend cpu")
         try:
             if cp.cuda.runtime.getDeviceCount() < 1:
-                raise MinferError("no CUDA device found; use --backend cpu")
+                raise MinferError("CUDA backend unavailable: no CUDA device; use --backend cpu")
         except cp.cuda.runtime.CUDARuntimeError as e:
-            raise MinferError(f"no usable CUDA device ({e}); use --backend cpu") from None
+            raise MinferError(f"CUDA backend unavailable: {e}; use --backend cpu") from None
         if cfg.head_dim not in ATT_HEAD_DIMS:
             raise MinferError(f"head dimension {cfg.head_dim} is not supported by the CUDA "
                               f"attention kernel (supported: {', '.join(map(str, ATT_HEAD_DIMS))})")
