@@ -174,10 +174,7 @@ def cast_f16(x, out=None):
         raise ValueError(f"cast_f16: {x.size} elements, need a multiple of 4")
     y = _view(out, x.shape, "cast_f16 out", cp.float16)
     _dev(y, "cast_f16 out", cp.float16)
-    n4 = x.size // 4
-    if n4:
-        blocks = min((n4 + DEQ_THREADS - 1) // DEQ_THREADS, 65535)      # grid-stride beyond
-        _fn("dequant_f16.cu", "cast_f32_f16")((blocks,), (DEQ_THREADS,), (x, y, np.int64(n4)))
+    _launch_by4("cast_f32_f16", x.size // 4, (x, y))
     return y
 
 
@@ -190,11 +187,15 @@ def swiglu_f16(gate, up, out=None):
         raise ValueError(f"swiglu_f16: {gate.size} elements, need a multiple of 4")
     y = _view(out, gate.shape, "swiglu_f16 out", cp.float16)
     _dev(y, "swiglu_f16 out", cp.float16)
-    n4 = gate.size // 4
+    _launch_by4("swiglu_f16", gate.size // 4, (gate, up, y))
+    return y
+
+
+def _launch_by4(kernel: str, n4: int, args: tuple) -> None:
+    """A grid-stride element-wise kernel of dequant_f16.cu over n4 groups of 4."""
     if n4:
         blocks = min((n4 + DEQ_THREADS - 1) // DEQ_THREADS, 65535)      # grid-stride beyond
-        _fn("dequant_f16.cu", "swiglu_f16")((blocks,), (DEQ_THREADS,), (gate, up, y, np.int64(n4)))
-    return y
+        _fn("dequant_f16.cu", kernel)((blocks,), (DEQ_THREADS,), args + (np.int64(n4),))
 
 
 # --- GEMM ---------------------------------------------------------------------
