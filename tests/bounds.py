@@ -13,6 +13,11 @@ errors of different GEMMs are independent, so they add in quadrature: the
 path, sqrt(22) * 0.55% ~ 2.6%. Measured on an H200 (2026-11-29, prompts of
 7 / 512 / 1000 tokens and chunked prefill + decode): per-position max 3.1e-2,
 median 1.5e-2 .. 2.5e-2. The bound is about 2x the estimate: 5e-2.
+Since the f16 engine took every prefill GEMM (docs/PERF.md 6.4) activations and
+weights are rounded to f16 instead (relative 2^-11 per element, ~0.05% per
+GEMM) and the KV cache is f16: measured 1.5e-3 .. 6.4e-3 per position (H200,
+same prompts). The bound stays at the MMQ engine's, which still serves the LM
+head over many positions and any caller that pins it.
 """
 from __future__ import annotations
 
