@@ -15,7 +15,7 @@ path, sqrt(22) * 0.55% ~ 2.6%. Measured on an H200 (2026-11-29, prompts of
 median 1.5e-2 .. 2.5e-2. The bound is about 2x the estimate: 5e-2.
 Since the f16 engine took every prefill GEMM (docs/PERF.md 6.4) activations and
 weights are rounded to f16 instead (relative 2^-11 per element, ~0.05% per
-GEMM) and the KV cache is f16: measured 1.5e-3 .. 6.4e-3 per position (H200,
+GEMM) and the KV cache is f16: measured max 1.3e-3 .. 6.4e-3 per prompt (H200,
 same prompts). The bound stays at the MMQ engine's, which still serves the LM
 head over many positions and any caller that pins it.
 """
