@@ -150,35 +150,25 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             [ $rc = 0 ] && [ -n "$v" ] && record "7b-$t" ok "$v t/s" || record "7b-$t" FAIL "rc=$rc"
         done
         rm -f "$LOG/b7.txt"
-        if [ "${AB_7B:-1}" = 1 ]; then
-            timeout 200 python3 scripts/ab.py -m "$TWIN" -p ${AB_TOKENS:-3325} -r ${AB_REPS:-7} \
-                --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0 >"$LOG/ab.txt" 2>&1
-            rc=$?
+        # ab_step NAME ARGS...: one interleaved scripts/ab.py run on the twin, logged and recorded
+        ab_step() {
+            local name=$1; shift
+            timeout 200 python3 scripts/ab.py -m "$TWIN" -r ${AB_REPS:-7} "$@" >"$LOG/ab.txt" 2>&1
+            local rc=$?
             cat "$LOG/ab.txt" >>"$LOG/bench.log"
-            [ $rc = 0 ] && record ab-exp ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-exp FAIL "rc=$rc"
-            # the LM head over many positions (perplexity-shaped) runs MMQ: there the plane stages B
-            timeout 200 python3 scripts/ab.py -m "$TWIN" -p 512 --logits-from 256 -r ${AB_REPS:-7} \
-                --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0 >"$LOG/ab.txt" 2>&1
-            rc=$?
-            cat "$LOG/ab.txt" >>"$LOG/bench.log"
-            [ $rc = 0 ] && record ab-exp-head ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-exp-head FAIL "rc=$rc"
+            [ $rc = 0 ] && record "$name" ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record "$name" FAIL "rc=$rc"
             rm -f "$LOG/ab.txt"
+        }
+        if [ "${AB_7B:-1}" = 1 ]; then           # the W_exp bundle on vs off
+            ab_step ab-exp -p ${AB_TOKENS:-3325} --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0
+            # the LM head over many positions (perplexity-shaped) runs MMQ: there the plane stages B
+            ab_step ab-exp-head -p 512 --logits-from 256 --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0
         fi
         if [ "${AB_GRAPHS:-1}" = 1 ]; then       # CUDA graphs of the layers vs eager, at 512 tokens
-            timeout 200 python3 scripts/ab.py -m "$TWIN" -p 512 -r ${AB_REPS:-7} \
-                --a MINFER_CUDA_GRAPHS=1 --b MINFER_CUDA_GRAPHS=0 >"$LOG/ab.txt" 2>&1
-            rc=$?
-            cat "$LOG/ab.txt" >>"$LOG/bench.log"
-            [ $rc = 0 ] && record ab-graphs ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-graphs FAIL "rc=$rc"
-            rm -f "$LOG/ab.txt"
+            ab_step ab-graphs -p 512 --a MINFER_CUDA_GRAPHS=1 --b MINFER_CUDA_GRAPHS=0
         fi
         if [ "${AB_FFN:-1}" = 1 ]; then          # f16 FFN intermediates vs f32, at 3325 tokens
-            timeout 200 python3 scripts/ab.py -m "$TWIN" -p 3325 -r ${AB_REPS:-7} \
-                --a MINFER_FFN_F16=1 --b MINFER_FFN_F16=0 >"$LOG/ab.txt" 2>&1
-            rc=$?
-            cat "$LOG/ab.txt" >>"$LOG/bench.log"
-            [ $rc = 0 ] && record ab-ffn16 ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record ab-ffn16 FAIL "rc=$rc"
-            rm -f "$LOG/ab.txt"
+            ab_step ab-ffn16 -p 3325 --a MINFER_FFN_F16=1 --b MINFER_FFN_F16=0
         fi
         # greedy stream from the 7B twin, byte-identical across the three q6_K modes
         P='The capital of France is'
