@@ -93,8 +93,8 @@ def tensor(be, name, arr, qtype=QT.F32):
     return be.load_weight(name, info, raw), exact
 
 
-def random_model(cfg, rng, tied=False):
-    be = CPUBackend(cfg)
+def random_model(cfg, rng, tied=False, keep_quantized=False):
+    be = CPUBackend(cfg, keep_quantized=keep_quantized)
     d, kv, ff = cfg.d_model, cfg.kv_dim, cfg.d_ff
 
     def mat(name, n_out, n_in, qtype=QT.Q8_0):
@@ -194,6 +194,31 @@ def test_ops_against_formulas():
     got = be.swiglu(g, u)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, g / (1 + np.exp(-g.astype(np.float64))) * u, rtol=1e-6, atol=1e-30)
+
+
+def test_weights_kept_quantized_give_the_same_logits():
+    """The memory-saving mode (weights too large for f32) dequantizes in each
+    linear: the same dequantizer and the same matmul, so the same bits."""
+    cfg = make_cfg(True)
+    got = {}
+    for keep in (False, True):
+        rng = np.random.default_rng(11)
+        be, model, _ = random_model(cfg, rng, tied=True, keep_quantized=keep)
+        assert isinstance(model.w.layers[0].attn_q, QuantTable) == keep
+        tokens = rng.integers(0, cfg.vocab_size, 19)
+        got[keep] = model.forward(tokens, 0, be.new_cache(32), logits_from=0)
+    assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
+
+
+def test_keep_quantized_is_chosen_from_the_memory_available(monkeypatch, capsys):
+    from minfer.backend import cpu
+    cfg = make_cfg(True)
+    need = cpu.f32_weight_bytes(cfg)
+    monkeypatch.setattr(cpu, "available_bytes", lambda: 10 * need)
+    assert not CPUBackend(cfg).keep_quantized and capsys.readouterr().err == ""
+    monkeypatch.setattr(cpu, "available_bytes", lambda: need)
+    assert CPUBackend(cfg).keep_quantized
+    assert "would not fit" in capsys.readouterr().err
 
 
 def test_embed_dequantizes_only_the_rows_asked_for():

@@ -9,9 +9,15 @@ the token embedding, which stays quantized and is dequantized row by row in
 `embed` (151,936 x 1,536 f32 would be 0.9 GB for a lookup of T rows). If the
 embedding is also the LM head (tied output), its dense float32 copy is made
 lazily, once, on the first `linear` call.
+
+When the float32 weights would not fit (more than FIT_FRACTION of the memory
+available at start: the 7B needs ~30 GB), every quantized weight stays
+quantized and `linear` dequantizes it on each call instead: the same numbers
+(the same dequantizer, the same matmul), slower; one line on stderr says so.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,11 +42,15 @@ class QuantTable:
         """idx int (T,) -> float32 (T, cols)"""
         return quants.dequantize_rows(np.ascontiguousarray(self.raw[idx]), self.qtype, self.shape[1])
 
-    def dense(self) -> np.ndarray:
-        """The whole table as float32 (rows, cols), made once (tied LM head)."""
-        if self._dense is None:
-            self._dense = quants.dequantize_rows(self.raw, self.qtype, self.shape[1])
-        return self._dense
+    def dense(self, keep: bool = True) -> np.ndarray:
+        """The whole table as float32 (rows, cols); kept after the first call
+        (tied LM head) unless keep=False (weights too large to hold as f32)."""
+        if self._dense is not None:
+            return self._dense
+        d = quants.dequantize_rows(self.raw, self.qtype, self.shape[1])
+        if keep:
+            self._dense = d
+        return d
 
 
 @dataclass
@@ -50,11 +60,41 @@ class CPUCache:
     n_ctx: int
 
 
+FIT_FRACTION = 0.7     # f32 weights may take this share of the available memory
+
+
+def f32_weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the layer stack and LM head as float32 (the embedding stays quantized)."""
+    d, kv, ff = cfg.d_model, cfg.kv_dim, cfg.d_ff
+    per_layer = d * d + 2 * d * kv + d * d + 3 * d * ff            # q, k, v, o, gate, up, down
+    return 4 * (cfg.n_layer * per_layer + cfg.vocab_size * d)
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class CPUBackend(Backend):
     name = "cpu"
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, keep_quantized: bool | None = None):
         super().__init__(cfg)
+        if keep_quantized is None:          # decided once, from the model's size and this machine
+            need, have = f32_weight_bytes(cfg), available_bytes()
+            keep_quantized = have is not None and need > FIT_FRACTION * have
+            if keep_quantized:
+                print(f"minfer: the float32 weights ({need / 2**30:.1f} GiB) would not fit in "
+                      f"{have / 2**30:.1f} GiB available: keeping them quantized and "
+                      f"dequantizing in each linear (slower)", file=sys.stderr)
+        self.keep_quantized = keep_quantized
         hd = cfg.head_dim
         # theta_i = base^(-2i/hd), i = 0..hd/2-1, in float64 (the exact values), as ggml's rope
         self.inv_freq = cfg.rope_base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)   # (hd/2,)
@@ -70,8 +110,8 @@ class CPUBackend(Backend):
             return quants.dequantize_rows(raw, qtype, info.shape[0]).reshape(info.shape[0])  # (n,)
         if len(info.shape) != 2:
             raise MinferError(f"tensor {name}: expected 1 or 2 dimensions, got shape {info.shape}")
-        if name == "token_embd.weight":
-            return QuantTable(raw, qtype, tuple(info.shape))                  # (vocab, d) quantized
+        if name == "token_embd.weight" or (self.keep_quantized and qtype != GGMLQuantizationType.F32):
+            return QuantTable(raw, qtype, tuple(info.shape))                  # (rows, cols) quantized
         return quants.dequantize_rows(raw, qtype, info.shape[1])              # (n_out, n_in) f32
 
     def new_cache(self, max_tokens: int) -> CPUCache:
@@ -95,8 +135,8 @@ class CPUBackend(Backend):
 
     def linear(self, x, w, bias=None):
         """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> (T, n_out)"""
-        if isinstance(w, QuantTable):       # tied LM head
-            w = w.dense()
+        if isinstance(w, QuantTable):       # tied LM head, or weights kept quantized
+            w = w.dense(keep=not self.keep_quantized)
         y = x @ w.T
         if bias is not None:
             y += bias
