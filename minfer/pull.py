@@ -22,15 +22,14 @@ import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from tqdm import tqdm
 
 from .errors import MinferError
+from .package_data import package_data_dir
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct-q4_k_m"
-_REPO_MODELS = Path(__file__).resolve().parents[1] / "models"   # a source checkout
 _CHUNK = 1 << 24                                                   # 16 MiB copy/hash blocks
 
 
@@ -58,17 +57,8 @@ def models_dir() -> Path:
 
 def _manifest_texts() -> dict[str, str]:
     """name -> JSON text of every manifest, from the installed package or the checkout."""
-    out: dict[str, str] = {}
-    try:
-        for entry in resources.files("minfer.models").iterdir():
-            if entry.name.endswith(".json"):
-                out[entry.name[:-5]] = entry.read_text()
-    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
-        pass
-    if not out and _REPO_MODELS.is_dir():
-        for p in _REPO_MODELS.glob("*.json"):
-            out[p.stem] = p.read_text()
-    return out
+    d = package_data_dir("minfer.models", "*.json")
+    return {} if d is None else {p.stem: p.read_text() for p in d.glob("*.json")}
 
 
 def load_manifest(name: str | None = None) -> Manifest:

@@ -16,7 +16,6 @@ std 1/sqrt(d) (like a trained model's, ~0.02 at d=3584).
 from __future__ import annotations
 
 import zlib
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, Keys, Llama
 
 from . import quants
 from .errors import MinferError
+from .package_data import package_data_dir
 
 Q = GGMLQuantizationType
 HEADER_7B_NAME = "deepseek-r1-distill-qwen-7b-q4_k_m.header.gguf"
@@ -35,18 +35,12 @@ DRAW_BLOCK_ELEMENTS = 1 << 20
 
 
 def header_7b_path() -> Path:
-    """The bundled 7B header: installed package `minfer.models` (pyproject maps the
-    repository's models/ to it), else the repository checkout — like kernels."""
-    try:
-        p = Path(str(resources.files("minfer.models"))) / HEADER_7B_NAME
-        if p.is_file():
-            return p
-    except (ModuleNotFoundError, TypeError):
-        pass
-    p = Path(__file__).resolve().parents[1] / "models" / HEADER_7B_NAME
-    if p.is_file():
-        return p
-    raise MinferError(f"the 7B header {HEADER_7B_NAME} was not found; reinstall minfer")
+    """The bundled 7B header: installed package `minfer.models`, else the
+    repository checkout (minfer.package_data)."""
+    d = package_data_dir("minfer.models", HEADER_7B_NAME)
+    if d is None:
+        raise MinferError(f"the 7B header {HEADER_7B_NAME} was not found; reinstall minfer")
+    return d / HEADER_7B_NAME
 
 
 # --- values -------------------------------------------------------------------

@@ -5,28 +5,22 @@ nothing else touches RawModule objects (DESIGN.md, layering rules).
 from __future__ import annotations
 
 import functools
-from importlib import resources
 from pathlib import Path
 
 from ..errors import MinferError
+from ..package_data import package_data_dir
 
 NVRTC_OPTIONS = ("-std=c++17",)
 
 
 @functools.lru_cache(maxsize=1)
 def kernel_dir() -> Path:
-    """Where the .cu sources are: the installed package `minfer.kernels` (pyproject
-    maps the repository's top-level kernels/ to it), else the repository checkout."""
-    try:
-        d = Path(str(resources.files("minfer.kernels")))
-        if d.is_dir() and any(d.glob("*.cu")):
-            return d
-    except (ModuleNotFoundError, TypeError):
-        pass
-    d = Path(__file__).resolve().parents[2] / "kernels"
-    if d.is_dir():
-        return d
-    raise MinferError("CUDA kernel sources (kernels/*.cu) not found; reinstall minfer")
+    """Where the .cu sources are: the installed package `minfer.kernels`, else the
+    repository checkout (minfer.package_data)."""
+    d = package_data_dir("minfer.kernels", "*.cu")
+    if d is None:
+        raise MinferError("CUDA kernel sources (kernels/*.cu) not found; reinstall minfer")
+    return d
 
 
 def source(filename: str) -> str:
