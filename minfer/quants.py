@@ -515,7 +515,10 @@ def expand_q6k_dense(padded: np.ndarray, od: int, id: int) -> np.ndarray:
     blocks = padded.reshape(od * nb, Q6K_PADDED)                       # (od*nb, 224)
     out = np.empty((od * nb, QK_K), np.int8)                           # (od*nb, 256) == (od, id)
     step = max(1, _CHUNK_ELEMS // QK_K)
-    for b0 in range(0, od * nb, step):
+
+    def work(b0: int) -> None:
         blk = blocks[b0:b0 + step]
         out[b0:b0 + step] = _q6k_centered(blk[:, 0:128], blk[:, 128:192])
+
+    _for_each_chunk(work, range(0, od * nb, step))
     return out.reshape(od, id)
