@@ -13,6 +13,7 @@ INTERFACE (implemented by the quants work; other modules rely on exactly this):
     dequantize_rows(raw (rows, row_bytes) uint8, qtype, n_cols) -> float32 (rows, n_cols)
     quantize(x: float32 (rows, cols), qtype, search=True) -> uint8 (rows, row_bytes)  # Q4_K, Q6_K, Q8_0, F16, F32
     row_bytes(qtype, n_cols) -> int                                        # bytes of one row
+    set_threads(n)                                                         # threads per call (default: cores, <= 8)
     pad_q6k(raw: uint8 (rows, nb*210)) -> uint8 (rows, nb*224)             # zero-filled padding
     expand_q6k_dense(padded: uint8 (rows, nb*224) or flat, od, id) -> int8 (od, id)
         # W_exp: (ql | qh<<4) - 32 per element, row stride id, super-block stride 256
@@ -410,6 +411,12 @@ def row_bytes(qtype, n_cols: int) -> int:
 # --------------------------------------------------------------------------- #
 # public entry points                                                          #
 # --------------------------------------------------------------------------- #
+
+def set_threads(n: int) -> None:
+    """Threads each dequantize/quantize call may use (a process pool of workers sets 1)."""
+    global _THREADS
+    _THREADS = max(1, int(n))
+
 
 def _for_each_chunk(work: Callable[[int], None], starts: range) -> None:
     """Run work(start) for every chunk start; chunks write disjoint output rows,

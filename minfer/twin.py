@@ -74,7 +74,7 @@ def _open_out(path: str, single_threaded: bool = False) -> None:
         # the process pool is the parallelism: quants.quantize's own thread pool
         # (up to 8 threads per call) would oversubscribe the cores 8x
         from . import quants
-        quants._THREADS = 1
+        quants.set_threads(1)
 
 
 def _fill(job) -> int:
