@@ -306,11 +306,6 @@ class CUDABackend(Backend):
         keep = (self.quant.scratch_refs(), self._cos_sin)
         return _Graph(graph, inp, out, pool, counts, keep)
 
-    def memory_report(self) -> dict:
-        rep = dict(self.quant.memory_report()) if hasattr(self.quant, "memory_report") else {}
-        rep["pool_used_bytes"] = cp.get_default_memory_pool().used_bytes()
-        return rep
-
 
 _ATT_INSTANCES = tuple(f"attention_f32<{hd}>" for hd in ATT_HEAD_DIMS)
 
