@@ -284,8 +284,8 @@ class CUDABackend(Backend):
         cp.cuda.get_current_stream().synchronize()       # capture sees a quiet device
         with cp.cuda.using_allocator(pool.malloc):
             inp = cp.empty_like(x)                                           # (T, d)
-            inp[...] = x
             with stream:
+                inp[...] = x            # on the capture stream: the warm run below reads it
                 # one eager run fills the private pool with every block the work
                 # allocates, so the capture below is served from it (no cudaMalloc,
                 # which can invalidate a capture); its results are the same bits
