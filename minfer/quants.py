@@ -46,7 +46,6 @@ from .errors import MinferError
 
 QK_K = 256
 Q6K_BLOCK = GGML_QUANT_SIZES[QT.Q6_K][1]   # 210
-Q6K_PADDED = 224                           # 210 rounded up to a multiple of 16
 K_SCALE_SIZE = 12                          # packed 6-bit scales/mins of Q4_K/Q5_K
 GROUP_MAX_EPS = 1e-15                      # ggml: below this a group quantizes to zeros
 
@@ -133,7 +132,7 @@ def _deq_q5_k(b: np.ndarray) -> np.ndarray:
     return _deq_kquant(b, _q4k_nibbles(b[:, 48:176]) | (hi << 4))
 
 
-def _q6k_centered(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
+def q6k_centered(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
     """ql (n, 128), qh (n, 64) of q6_K super-blocks -> (n, 256) int8 in -32..31.
 
     Each 128-element half h uses ql[64h:64h+64] and qh[32h:32h+32]; element
@@ -151,7 +150,7 @@ def _q6k_centered(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
 def _deq_q6_k(b: np.ndarray) -> np.ndarray:
     # block_q6_K: ql[128] | qh[64] | scales int8[16] | d (f16); scale j covers
     # elements 16j..16j+15
-    y = _q6k_centered(b[:, 0:128], b[:, 128:192]).astype(np.float32).reshape(-1, 16, 16)
+    y = q6k_centered(b[:, 0:128], b[:, 128:192]).astype(np.float32).reshape(-1, 16, 16)
     sc = b[:, 192:208].view(np.int8).astype(np.float32)               # (n, 16)
     y *= (_f16(b[:, 208:210]) * sc)[:, :, None]                       # (d*sc) * q, (n, 16, 1)
     return y.reshape(-1, QK_K)
@@ -418,7 +417,7 @@ def set_threads(n: int) -> None:
     _THREADS = max(1, int(n))
 
 
-def _for_each_chunk(work: Callable[[int], None], starts: range) -> None:
+def for_each_chunk(work: Callable[[int], None], starts: range) -> None:
     """Run work(start) for every chunk start; chunks write disjoint output rows,
     so threads can share them (the NumPy ufuncs inside release the GIL)."""
     if _THREADS > 1 and len(starts) > 1:
@@ -447,7 +446,7 @@ def dequantize_rows(raw: np.ndarray, qtype, n_cols: int) -> np.ndarray:
         blocks = np.ascontiguousarray(raw[r0:r0 + step]).reshape(-1, f.type_size)
         out[r0:r0 + step] = f.dequantize_blocks(blocks).reshape(-1, n_cols)
 
-    _for_each_chunk(work, range(0, n_rows, step))
+    for_each_chunk(work, range(0, n_rows, step))
     return out
 
 
@@ -491,41 +490,5 @@ def quantize(x: np.ndarray, qtype, search: bool = True) -> np.ndarray:
         blocks = x[r0:r0 + step].reshape(-1, f.block_size)
         out[r0:r0 + step] = f.quantize_blocks(blocks, search=search).reshape(-1, rb)
 
-    _for_each_chunk(work, range(0, rows, step))
+    for_each_chunk(work, range(0, rows, step))
     return out
-
-
-def pad_q6k(raw: np.ndarray) -> np.ndarray:
-    """raw uint8 (rows, nb*210) q6_K rows -> (rows, nb*224): each super-block keeps
-    its 210 bytes and gets 14 zero bytes, so super-blocks start 16-byte aligned."""
-    raw = np.asarray(raw)
-    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % Q6K_BLOCK:
-        raise MinferError(f"pad_q6k: expected uint8 (rows, nb*{Q6K_BLOCK}), got "
-                          f"{raw.dtype} {raw.shape}")
-    rows, nb = raw.shape[0], raw.shape[1] // Q6K_BLOCK
-    out = np.zeros((rows, nb, Q6K_PADDED), np.uint8)                   # (rows, nb, 224)
-    out[:, :, :Q6K_BLOCK] = raw.reshape(rows, nb, Q6K_BLOCK)
-    return out.reshape(rows, nb * Q6K_PADDED)
-
-
-def expand_q6k_dense(padded: np.ndarray, od: int, id: int) -> np.ndarray:
-    """padded q6_K (od, id/256*224) uint8 (or flat) -> W_exp int8 (od, id):
-    element (j, 256*sb + e) = (ql | qh<<4) - 32 of super-block sb of row j.
-    Dense: row stride id, not the padded row length (seed §3.1, r44's root cause)."""
-    if od <= 0 or id <= 0 or id % QK_K:
-        raise MinferError(f"expand_q6k_dense: id={id} must be a positive multiple of {QK_K} (od={od})")
-    nb = id // QK_K
-    padded = np.asarray(padded)
-    if padded.dtype != np.uint8 or padded.size != od * nb * Q6K_PADDED:
-        raise MinferError(f"expand_q6k_dense: expected {od * nb * Q6K_PADDED} uint8 bytes "
-                          f"for ({od}, {id}), got {padded.dtype} {padded.shape}")
-    blocks = padded.reshape(od * nb, Q6K_PADDED)                       # (od*nb, 224)
-    out = np.empty((od * nb, QK_K), np.int8)                           # (od*nb, 256) == (od, id)
-    step = max(1, _CHUNK_ELEMS // QK_K)
-
-    def work(b0: int) -> None:
-        blk = blocks[b0:b0 + step]
-        out[b0:b0 + step] = _q6k_centered(blk[:, 0:128], blk[:, 128:192])
-
-    _for_each_chunk(work, range(0, od * nb, step))
-    return out.reshape(od, id)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from ..errors import MinferError
-from ..package_data import package_data_dir
+from ...errors import MinferError
+from ...package_data import package_data_dir
 
 NVRTC_OPTIONS = ("-std=c++17",)
 

@@ -38,8 +38,8 @@ import math
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from ..errors import MinferError
-from . import kernels
+from ...errors import MinferError
+from . import nvrtc as kernels
 
 try:
     import cupy as cp

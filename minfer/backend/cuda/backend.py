@@ -28,11 +28,11 @@ import sys
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from ..config import ModelConfig
-from ..errors import MinferError
-from . import kernels
-from .base import Backend
-from .cuda_fast import FA_HD, attention_f16
+from ...config import ModelConfig
+from ...errors import MinferError
+from . import nvrtc as kernels
+from ..base import Backend
+from .fast_old import FA_HD, attention_f16
 
 try:
     import cupy as cp
@@ -138,7 +138,7 @@ class CUDABackend(Backend):
         if cfg.head_dim not in ATT_HEAD_DIMS:
             raise MinferError(f"head dimension {cfg.head_dim} is not supported by the CUDA "
                               f"attention kernel (supported: {', '.join(map(str, ATT_HEAD_DIMS))})")
-        from .cuda_quant import QuantState   # env vars (MINFER_MMQ_*) are read here
+        from .quant_old import QuantState   # env vars (MINFER_MMQ_*) are read here
         self.quant = QuantState()
         # MINFER_CUDA_GRAPHS=0: never capture (every forward runs eagerly)
         self.graphs_on = os.environ.get("MINFER_CUDA_GRAPHS", "1") != "0"

@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from .. import quants
-from ..errors import MinferError
-from . import cuda_fast, kernels
+from ... import quants
+from ...errors import MinferError
+from . import fast_old as cuda_fast, nvrtc as kernels
 
 try:
     import cupy as cp
@@ -62,7 +62,7 @@ MMQ_BM, MMQ_BN, MMQ_THREADS = 64, 64, 256
 MMQ_KDR = 2                          # 32-element k-chunks per pipeline tile (k-tile 64)
 MV_ROWS = 8                          # matvec rows per 256-thread block (one warp each)
 QK_K = quants.QK_K
-Q6K_PADDED = quants.Q6K_PADDED
+from .q6k_layout import Q6K_PADDED, expand_q6k_dense, pad_q6k
 
 _MMQ_NAMES = (f"mmq_q4k<{MMQ_KDR}>", f"mmq_q6k_bt<{MMQ_KDR}, true>", f"mmq_q6k_bt<{MMQ_KDR}, false>")
 
@@ -291,7 +291,7 @@ class QuantState:
                               f"{qtype.name} tensor of shape {shape}")
         raw = raw.reshape(n_out, rb)
         if qtype == QT.Q6_K:
-            host = quants.pad_q6k(np.ascontiguousarray(raw))              # (n_out, nb*224)
+            host = pad_q6k(np.ascontiguousarray(raw))              # (n_out, nb*224)
             kind = "q6_K padded"
         elif qtype == QT.F16:
             host = np.ascontiguousarray(raw).view(np.uint16)              # (n_out, n_in)
@@ -321,7 +321,7 @@ class QuantState:
         try:
             if self.force_miss:
                 raise RuntimeError("MINFER_TEST_FORCE_EXP_MISS=1 (simulated failure)")
-            plane = cp.asarray(quants.expand_q6k_dense(padded_host, od, id_))   # (od, id) int8
+            plane = cp.asarray(expand_q6k_dense(padded_host, od, id_))   # (od, id) int8
         except Exception as e:  # noqa: BLE001 - any alloc/upload failure: no plane, loud once
             global _exp_miss_warned
             if not _exp_miss_warned:
