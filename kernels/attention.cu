@@ -8,12 +8,10 @@
 // for the scores, then lane = a slice of the head dim for the P.V update),
 // staged in shared memory. Running max m, denominator l and the accumulator
 // live in registers; each tile rescales them by exp(m_old - m_new) (online softmax).
-// f32 CUDA-core math throughout (the reference-grade GPU path; the tensor-core
-// f16 flash attention is backend/cuda_fast.py's).
+// f32 CUDA-core math throughout (the reference-grade GPU path; flash_attn.cu is
+// the tensor-core f16 one).
+#include "common.cuh"
 
-#define ATT_BQ 16
-#define ATT_BK 32
-#define ATT_WARPS 4
 #define ATT_ROWS (ATT_BQ / ATT_WARPS)
 // -inf without <math.h> (NVRTC has no INFINITY macro)
 #define ATT_NEG_INF (-__int_as_float(0x7f800000))

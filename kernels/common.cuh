@@ -1,29 +1,32 @@
-// Shared pieces of the quantized-weight kernels (quantize.cu, mmq.cu, matvec.cu,
-// dequant.cu): fixed-width types, the block layouts, f16 decode, the 6-bit k-quant
-// scale unpack, the cp.async wrappers (seed §3.2) and the int8 mma.
+// Included by every kernel file: the check that the kernel constants were given,
+// fixed-width types, the block layouts, f16 decode, the 6-bit k-quant scale
+// unpack, the cp.async wrappers and the int8 mma.
 //
 // No system headers: NVRTC (through CuPy) and nvcc must both compile this as is.
 #pragma once
+
+// Block formats, tile sizes and threads per block (QK_K, Q4K_BYTES, Q6K_PADDED,
+// THREADS_1D, MMQ_*, MV_ROWS, NORM_THREADS, ATT_*, FA_*) are defined once, in
+// minfer/backend/cuda/nvrtc.py (KERNEL_CONSTANTS), and arrive as -D defines, so
+// the kernels and their Python wrappers cannot disagree.
+#ifndef MINFER_CONSTANTS
+#error "compile through minfer.backend.cuda.nvrtc, or pass its define_flags() to nvcc"
+#endif
 
 typedef unsigned char u8;
 typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 
-// ---- block layouts (ggml-common.h) -----------------------------------------
-#define QK_K 256
-#define QK8_1 32                 // q8_1 activation block (quantize.cu)
-// block_q4_K: d (f16) | dmin (f16) | scales[12] | qs[128]
-#define Q4K_BYTES 144
+// ---- block layouts (ggml-common.h): byte offsets inside a block ------------
+// block_q4_K (Q4K_BYTES): d (f16) | dmin (f16) | scales[12] | qs[128]
 #define Q4K_QS 16                // byte offset of qs in the block
-// block_q6_K: ql[128] | qh[64] | scales int8[16] | d (f16)
-#define Q6K_BYTES 210
-#define Q6K_PADDED 224           // registered stride: super-blocks 16-byte aligned (seed §2.3)
+// block_q6_K (Q6K_BYTES, registered at a Q6K_PADDED stride so that every
+// super-block starts 16-byte aligned): ql[128] | qh[64] | scales int8[16] | d (f16)
 #define Q6K_QH 128
 #define Q6K_SC 192
 #define Q6K_D 208
-// block_q8_0: d (f16) | qs int8[32]
-#define Q8_0_BYTES 34
+// block_q8_0 (Q8_0_BYTES): d (f16) | qs int8[32]
 
 // f16 bits -> f32 (exact conversion; avoids cuda_fp16.h, which NVRTC may not find)
 __device__ __forceinline__ float f16_to_f32(u16 h) {
@@ -47,7 +50,7 @@ __device__ __forceinline__ void q4k_scale_min(int j, const u8* q, int* sc, int* 
     }
 }
 
-// ---- cp.async (seed §3.2: the three wrappers are the whole PTX surface) ----
+// ---- cp.async: these three wrappers are the whole PTX surface of the copies ----
 // 16 bytes global -> shared, L2 only (.cg). full=false: src-size 0, the 16 bytes
 // are zero-filled and nothing is read (rows past the end of a tile).
 __device__ __forceinline__ void cp16(void* smem_dst, const void* gsrc, bool full) {

@@ -2,14 +2,14 @@
 // int32 -> y (T, n) f32, y[t] = dequant(W[tok[t]]). Bit-identical to
 // minfer.quants.dequantize_rows (= gguf.quants): the same f32 operations in the
 // same order, each rounded on its own (__fmul_rn/__fsub_rn forbid FMA contraction).
-// Grid (ceil(n/256), T), one thread per output element.
+// Grid (ceil(n/THREADS_1D), T), one thread per output element.
 #include "common.cuh"
 
 // q4_K (144-byte blocks as stored): (d*sc) * q - (dmin*m)
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_q4k(const u8* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                  int n) {
-    const int t = blockIdx.y, e = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     const u8* blk = W + (size_t)tok[t] * (n / QK_K) * Q4K_BYTES + (size_t)(e / QK_K) * Q4K_BYTES;
     const int r = e % QK_K, j = r / 32, l = r % 32;
@@ -22,10 +22,10 @@ dequant_rows_q4k(const u8* __restrict__ W, const int* __restrict__ tok, float* _
 }
 
 // q6_K (padded 224-byte stride): (d*sc) * ((ql | qh<<4) - 32)
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_q6k(const u8* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                  int n) {
-    const int t = blockIdx.y, e = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     const u8* blk = W + (size_t)tok[t] * (n / QK_K) * Q6K_PADDED + (size_t)(e / QK_K) * Q6K_PADDED;
     const int r = e % QK_K, h = r / 128, q = (r / 32) % 4, l = r % 32;
@@ -36,29 +36,29 @@ dequant_rows_q6k(const u8* __restrict__ W, const int* __restrict__ tok, float* _
 }
 
 // q8_0 (34-byte blocks): q * d
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_q8_0(const u8* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                   int n) {
-    const int t = blockIdx.y, e = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     const u8* blk = W + (size_t)tok[t] * (n / 32) * Q8_0_BYTES + (size_t)(e / 32) * Q8_0_BYTES;
     y[(size_t)t * n + e] = __fmul_rn((float)(i8)blk[2 + e % 32], load_f16(blk));
 }
 
 // f16 -> f32 (exact)
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_f16(const u16* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                  int n) {
-    const int t = blockIdx.y, e = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     y[(size_t)t * n + e] = f16_to_f32(W[(size_t)tok[t] * n + e]);
 }
 
 // f32 row copy
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_f32(const float* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                  int n) {
-    const int t = blockIdx.y, e = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     y[(size_t)t * n + e] = W[(size_t)tok[t] * n + e];
 }

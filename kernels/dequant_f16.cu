@@ -1,4 +1,4 @@
-// Whole-weight dequantization to fp16 for the cuBLAS prefill path (cuda_fast.py):
+// Whole-weight dequantization to fp16 for the cuBLAS prefill path (backend/cuda/f16.py):
 // W (n_out, n_in) quantized -> W16 (n_out, n_in) f16, then x16 @ W16^T on tensor
 // cores. Each output is the f32 value of the NumPy reference (gguf.quants /
 // minfer.quants, ggml's dequantize_row_q4_K / _q6_K) rounded to f16 (RNE):
@@ -53,7 +53,7 @@ __device__ __forceinline__ void store8_f16(u16* dst, const float v[8]) {
 // 6-bit (sc, m) j of get_scale_min_k4. Chunk c lies in sub-block j = c/4 (0..3) and
 // chunk c+16 in sub-block j+4, 64 qs bytes further, same nibble.
 // w: (n_out, n_in/256*144) u8, y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_grp) return;
@@ -100,7 +100,7 @@ dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) 
 
 // q6_K padded (224 B stride) -> f16.  w: (n_out, n_in/256*224) u8,
 // y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_q6k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_grp) return;
@@ -134,12 +134,12 @@ dequant_q6k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) 
     store8_f16(dst + 128, vb);
 }
 
-// q6_K from the W_exp plane (seed §2.3: dense centered int8 (ql|qh<<4)-32, row
+// q6_K from the W_exp plane (dense centered int8 (ql|qh<<4)-32, row
 // stride n_in, super-block stride 256) with d and the scales from the padded
 // blocks -> f16. Flattened, plane element b*256 + e is super-block b's element e.
 // w: padded (n_out, n_in/256*224) u8, wexp: (n_out, n_in) i8,
 // y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_q6k_exp_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
                     u16* __restrict__ y, long long n_grp) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -168,7 +168,7 @@ dequant_q6k_exp_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
 
 // x (n,) f32 -> y (n,) f16 bits, RNE; n4 = n/4 (4 elements per thread: 16 B in, 8 B out).
 // Activations before the GEMM, and K/V into the f16 cache (y offset by pos0 rows).
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 cast_f32_f16(const float4* __restrict__ x, uint2* __restrict__ y, long long n4) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
@@ -185,7 +185,7 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
 }
 
 // gate, up (n,) f16 -> y (n,) f16 = silu(gate) * up, computed in f32 as
-// swiglu_f32 (elementwise.cu) and rounded once: the f16 FFN (QuantState.ffn)
+// swiglu_f32 (elementwise.cu) and rounded once: the f16 FFN (gemm.py, Gemms.ffn_f16)
 // keeps its (T, d_ff) intermediates in f16, the precision the down GEMM reads.
 // 4 elements per thread (8-byte loads and stores), n % 4 == 0.
 extern "C" __global__ void

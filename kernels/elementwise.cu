@@ -1,4 +1,5 @@
 // Element-wise ops, f32, one thread per element (grid-stride).
+#include "common.cuh"
 
 // gate, up (n,) -> y (n,) = silu(gate) * up = gate / (1 + exp(-gate)) * up
 // (ggml_vec_swiglu_f32); expf, not __expf: the fast intrinsic's error is visible in parity

@@ -24,10 +24,8 @@
 
 #include "common.cuh"
 
-#define FA_HD 128                // head dim (fixed: all target models)
-#define FA_BQ 64                 // queries per block
-#define FA_BK 64                 // keys per tile
-#define FA_WARPS 4               // 16 query rows each
+// FA_HD (head dim), FA_BQ (queries per block), FA_BK (keys per tile) and FA_WARPS
+// (16 query rows each) come from nvrtc.py
 #define FA_THREADS (32 * FA_WARPS)
 #define FA_LD (FA_HD + 8)        // shared row length in halves
 #define FA_NEG_INF (-__int_as_float(0x7f800000))

@@ -3,7 +3,7 @@
 // where the weight bytes are the whole cost). Mirrors ggml-cuda's
 // dequantize_mul_mat_vec_q4_k / _q6_k role.
 //   y (od,) = W (od, K) @ x (K,) [+ bias]
-// One warp per output row, 8 rows per 256-thread block. Each lane owns one
+// One warp per output row, MV_ROWS rows per block. Each lane owns one
 // 16-byte slice of a super-block's quants (8 lanes per super-block, 4 super-
 // blocks per warp step); quants come in as one uint4 (coalesced 16-B loads),
 // x as float4s. The lane's partial sums meet in a warp shuffle reduction.
@@ -41,10 +41,10 @@ __device__ __forceinline__ float sum16(const float* __restrict__ x) {
 // q4_K rows as stored (144-byte blocks): W (od, K/256*144), x (K,), y (od,)
 // lane slice c (0..7) = qs[16c .. 16c+15]: group i = c/2 of 32 bytes holds
 // sub-block 2i (low nibbles) and 2i+1 (high nibbles); y += d*sc*dot - dmin*m*sum(x).
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(MV_ROWS * 32)
 matvec_q4k(const u8* __restrict__ W, const float* __restrict__ x, const float* __restrict__ bias,
            float* __restrict__ y, int od, int K) {
-    const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * MV_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= od) return;
     const int nb = K / QK_K;
     const u8* wrow = W + (size_t)row * nb * Q4K_BYTES;
@@ -69,10 +69,10 @@ matvec_q4k(const u8* __restrict__ W, const float* __restrict__ x, const float* _
 // lane slice c (0..7) = ql[16c .. 16c+15]: half h = c/4, m = (c/2)%2, l0 = 16*(c%2);
 // the low nibbles are quarter q=m, the high ones q=m+2 (elements 128h + 32q + l0 + e),
 // qh[32h + l0 + e] >> 2q on top, centered by -32; scale of sub-block 8h + 2q + l0/16.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(MV_ROWS * 32)
 matvec_q6k(const u8* __restrict__ W, const float* __restrict__ x, const float* __restrict__ bias,
            float* __restrict__ y, int od, int K) {
-    const int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * MV_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= od) return;
     const int nb = K / QK_K;
     const u8* wrow = W + (size_t)row * nb * Q6K_PADDED;

@@ -9,18 +9,13 @@
 // and rows 32*(w/4)..+32 (four 16x8 mma tiles, 16 f32 accumulators per lane).
 // K is walked in tiles of KDR*32 (KDR = 32-element k-chunks per pipeline tile;
 // KDR divides 8, so a tile never straddles a 256-element super-block).
-// Pipeline (seed §2.4): NST=3 shared-memory stages, two tile copy groups in
+// Pipeline: NST=3 shared-memory stages, two tile copy groups in
 // flight. Per tile: cp.async.wait_group 1 (wait_group 0 on the last tile), ONE
 // __syncthreads (makes tile kt visible AND proves every warp finished reading
 // the stage that tile kt+2 now overwrites), stage tile kt+2, compute tile kt.
 // Activations always travel by cp.async; A and B copies of a tile are committed
 // as ONE group.
 #include "common.cuh"
-
-#define MMQ_BM 64
-#define MMQ_BN 64
-#define MMQ_NST 3
-#define MMQ_THREADS 256
 
 // Shared-memory row stride of a staged tile: BK bytes + 16 (keeps the 16-byte
 // alignment cp.async needs; 20-word stride makes the fragment loads conflict-free).
@@ -185,14 +180,14 @@ mmq_q4k(const i8* __restrict__ xq,      // (T, K) q8_1 values
 }
 
 // --------------------------------------------------------------------------- //
-// q6_K "BT" kernel (seed §2.1-§3.2). 16-element sub-blocks: one 32-k chunk spans
+// q6_K "BT" kernel (the W_exp bundle). 16-element sub-blocks: one 32-k chunk spans
 // two scales, so KSPLIT=2 m16n8k16 passes per chunk, each rescaled on its own:
 // y += (d_a * d*sc_s) * dot(qa, qw); no min term. qw are the centered int8
 // values ((ql | qh<<4) - 32) in -32..31.
 //   EXP=false: B staged from the padded blocks (224-byte stride), expanded in
 //              the kernel: ((ql>>shift)&0xF) | (((qh>>shift)&3)<<4) - 32.
 //   EXP=true:  B staged as a pure cp.async copy out of the W_exp plane (od, K)
-//              (row stride K = id, super-block stride 256: seed §3.1), rows
+//              (row stride K = id, super-block stride 256), rows
 //              past od zero-filled by src-size 0.
 // Both stage the same bytes into the same layout and share the compute loop,
 // so the two modes' outputs are bit-identical. Scales (dsc) always come from
@@ -226,7 +221,7 @@ mmq_q6k_bt(const i8* __restrict__ xq,      // (T, K) q8_1 values
             const int j = n0 + jj;
             i8* dst = sB[st] + jj * TL::SROW + cc * 16;
             if (EXP) {
-                // seed §3.2: dense index, row stride id (= K), not the padded stride
+                // dense index: row stride id (= K), not the padded row length
                 const bool full = j < od;
                 const i8* src = Wexp + (size_t)(full ? j : 0) * K + (size_t)sb * QK_K + cbase * 32 + cc * 16;
                 cp16(dst, src, full);
@@ -311,10 +306,10 @@ mmq_q6k_bt(const i8* __restrict__ xq,      // (T, K) q8_1 values
 #ifdef MINFER_SASS_INSTANTIATE
 // Offline builds only (scripts/sass_check.py: nvcc -cubin); NVRTC instantiates
 // through name_expressions instead and never sees these.
-template __global__ void mmq_q4k<2>(const i8*, const float*, const float*, const u8*,
+template __global__ void mmq_q4k<MMQ_KDR>(const i8*, const float*, const float*, const u8*,
                                     const float*, float*, int, int, int);
-template __global__ void mmq_q6k_bt<2, true>(const i8*, const float*, const u8*, const i8*,
+template __global__ void mmq_q6k_bt<MMQ_KDR, true>(const i8*, const float*, const u8*, const i8*,
                                              const float*, float*, int, int, int);
-template __global__ void mmq_q6k_bt<2, false>(const i8*, const float*, const u8*, const i8*,
+template __global__ void mmq_q6k_bt<MMQ_KDR, false>(const i8*, const float*, const u8*, const i8*,
                                               const float*, float*, int, int, int);
 #endif

@@ -3,7 +3,7 @@
 // One block per row; the sum of squares is reduced in f32 (warp shuffles, then
 // one value per warp through shared memory).
 
-#define NORM_THREADS 256
+#include "common.cuh"
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -7,7 +7,7 @@
 // x (T, K) f32 -> q (T, K) int8, d (T, K/32) f32, s (T, K/32) f32
 //   d = amax/127, q = roundf(x/d) (round half away from zero; 0 when amax == 0),
 //   s = d * sum(q).   One warp per 32-value block, lane i owns value i.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
 quantize_q8_1(const float* __restrict__ x, i8* __restrict__ q, float* __restrict__ d,
               float* __restrict__ s, long long n_blocks) {
     const long long b = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;

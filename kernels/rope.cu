@@ -5,6 +5,7 @@
 // NeoX (qwen2):  pairs (x[i], x[i + hd/2]);  normal (llama): pairs (x[2i], x[2i+1]).
 //   (a, b) -> (a cos - b sin, a sin + b cos)
 // One thread per pair; in place is allowed (each thread reads its pair before writing it).
+#include "common.cuh"
 
 // x, y (T, n_heads, hd); cos_sin (n_pos, hd/2, 2) with n_pos >= pos0 + T;
 // grid.x covers T * n_heads * hd/2 pairs

@@ -1,5 +1,5 @@
 """One loaded model: file, config, tokenizer, backend, weights and graph, built in order
-(DESIGN.md data flow). The CLI, tests and benchmarks all start here."""
+(docs/DESIGN.md, data flow). The CLI, tests and benchmarks all start here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,7 +59,8 @@ class Engine:
     @classmethod
     def from_file(cls, mf: ModelFile, backend: str = "cpu", progress: bool = True) -> "Engine":
         be = get_backend(backend, mf.cfg)
-        weights = load_weights(mf.gf, mf.cfg, be, progress=progress)
+        with be.guard("loading the weights"):
+            weights = load_weights(mf.gf, mf.cfg, be, progress=progress)
         return cls(gf=mf.gf, cfg=mf.cfg, tokenizer=mf.tokenizer, backend=be, weights=weights,
                    model=Transformer(mf.cfg, be, weights), n_ctx=mf.n_ctx)
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""SASS-level evidence for the q6_K W_exp bundle (seed/000 §3.3 pitfalls #2, #4).
+"""SASS-level evidence for the q6_K W_exp bundle: the cp.async staging really became
+LDGSTS, and the MMQ kernels neither spill nor exceed their register budget.
 
 Compiles kernels/mmq.cu offline (nvcc -cubin -arch=sm_90, with the explicit
-instantiations of its MINFER_SASS_INSTANTIATE block), then per MMQ kernel:
+instantiations of its MINFER_SASS_INSTANTIATE block and the kernel constants
+that minfer.backend.cuda.nvrtc injects at run time), then per MMQ kernel:
 registers, stack frame and spill bytes (ptxas -v), and the number of LDGSTS
 instructions (cuobjdump --dump-sass): explicit-PTX cp.async must really become
 LDGSTS in the EXP=true build, or the fast path silently degrades.
@@ -25,9 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from minfer.backend.cuda.nvrtc import K, define_flags   # (imports without cupy)
+
 ROOT = Path(__file__).resolve().parents[1]
 MMQ = ROOT / "kernels" / "mmq.cu"
-MAX_REGS_Q6K = 65536 // (256 * 3) // 8 * 8     # 3 blocks of 256 threads per SM -> 80 (alloc granule 8)
+# 3 blocks of MMQ_THREADS per SM (__launch_bounds__ of mmq_q6k_bt) -> 80 (alloc granule 8)
+MAX_REGS_Q6K = 65536 // (K["MMQ_THREADS"] * 3) // 8 * 8
 
 
 def demangle(sym: str) -> str:
@@ -62,7 +67,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cubin, ptx = Path(tmp) / "mmq.cubin", Path(tmp) / "mmq.ptx"
         common = ["nvcc", f"-arch={a.arch}", "-std=c++17", "-DMINFER_SASS_INSTANTIATE",
-                  f"-I{MMQ.parent}", str(MMQ)]
+                  *define_flags(), f"-I{MMQ.parent}", str(MMQ)]
         log = run(common[:1] + ["-cubin", "-Xptxas", "-v", "-o", str(cubin)] + common[1:])
         run(common[:1] + ["-ptx", "-o", str(ptx)] + common[1:])
 
@@ -106,7 +111,7 @@ def main() -> int:
             bad.append(f"{name} spills")
         if name.startswith("mmq_q6k_bt") and r.get("regs", 0) > MAX_REGS_Q6K:
             bad.append(f"{name} uses {r['regs']} registers > {MAX_REGS_Q6K} "
-                       f"(__launch_bounds__(256, 3))")
+                       f"(__launch_bounds__({K['MMQ_THREADS']}, 3))")
         if name.startswith("mmq_q6k_bt") and name.endswith("true>"):
             if ld is not None and ld == 0:
                 bad.append(f"{name}: no LDGSTS in the SASS (cp.async degraded)")

@@ -7,12 +7,31 @@ internally. Shapes use T = tokens in this call, d = d_model, hd = head_dim.
 """
 from __future__ import annotations
 
+import contextlib
+import resource
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
 
 from ..config import ModelConfig
+
+
+class Timer:
+    """Seconds of the work queued between start() and stop(): wall time around a
+    synchronize (a device backend measures with its own events instead)."""
+
+    def __init__(self, backend: "Backend"):
+        self.backend = backend
+
+    def start(self) -> None:
+        self.backend.synchronize()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        self.backend.synchronize()
+        return time.perf_counter() - self._t0
 
 
 class Backend(ABC):
@@ -89,3 +108,32 @@ class Backend(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued device work (timing); nothing to do on the CPU."""
+
+    @contextlib.contextmanager
+    def guard(self, what: str):
+        """The boundary where running out of device memory becomes one MinferError
+        line naming `what` (the engine wraps loading, the graph each forward)."""
+        yield
+
+    # --- measurement (minfer bench uses only these) ---------------------------
+    def timer(self) -> Timer:
+        return Timer(self)
+
+    def counters(self) -> dict[str, int] | None:
+        """Launches per kernel path since the last reset (None: not counted)."""
+        return None
+
+    def reset_counters(self) -> None:
+        pass
+
+    def memory_report(self, cache=None) -> dict[str, int]:
+        """Bytes by kind (weights, caches, scratch); the host's peak resident set here."""
+        m = {"host peak RSS": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+        if cache is not None:
+            m["KV cache"] = int(sum(a.nbytes for a in (cache.k, cache.v)))
+        return m
+
+    def memory_check(self, tensors) -> dict:
+        """Allocations checked against the GGUF tensor table (name -> TensorInfo):
+        {"problem": None or why not, ...the figures compared}; empty when nothing is checked."""
+        return {}

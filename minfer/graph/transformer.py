@@ -29,13 +29,14 @@ class Transformer:
         if pos0 + T > cache.n_ctx:
             raise MinferError(f"{pos0 + T} tokens do not fit the context of {cache.n_ctx}; "
                               f"shorten the prompt or raise the context size")
-        x = be.embed(w.token_embd, tokens)                                   # (T, d)
-        # the layers' device work, replayed from a CUDA graph when this (T, pos0)
-        # comes again for this cache (bench repetitions, perplexity chunks)
-        x = be.captured(cache, ("blocks", T, pos0), lambda x: self.blocks(x, pos0, cache), x)
-        x = be.rows(x, T - 1 if logits_from is None else logits_from, T)
-        x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
-        return be.to_numpy(be.linear(x, w.output))                           # (n, vocab)
+        with be.guard("running the model"):
+            x = be.embed(w.token_embd, tokens)                               # (T, d)
+            # the layers' device work, replayed from a CUDA graph when this (T, pos0)
+            # comes again for this cache (bench repetitions, perplexity chunks)
+            x = be.captured(cache, ("blocks", T, pos0), lambda x: self.blocks(x, pos0, cache), x)
+            x = be.rows(x, T - 1 if logits_from is None else logits_from, T)
+            x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
+            return be.to_numpy(be.linear(x, w.output))                       # (n, vocab)
 
     def blocks(self, x, pos0: int, cache):
         """The decoder layers: x (T, d) at positions pos0.. -> (T, d); fills the cache."""

@@ -1,16 +1,61 @@
-"""Kernel loading: `.cu` files compiled with NVRTC through cupy.RawModule, once
-per process, cached. Only the per-kernel wrappers in minfer/backend/ call this;
-nothing else touches RawModule objects (DESIGN.md, layering rules).
+"""Compiling kernels/*.cu with NVRTC through cupy.RawModule, once per process.
+
+Every constant that both the kernels and their Python wrappers depend on (block
+formats, tile sizes, threads per block) is defined once, in KERNEL_CONSTANTS,
+and reaches every compilation as a -D define; the .cu files refuse to compile
+without them (kernels/common.cuh), so the two sides cannot drift apart. Only
+launch.py calls this module; nothing else touches RawModule objects. Importing
+it needs no cupy (scripts/sass_check.py reads the defines for nvcc).
 """
 from __future__ import annotations
 
 import functools
 from pathlib import Path
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
 from ...errors import MinferError
 from ...package_data import package_data_dir
 
+KERNEL_CONSTANTS: dict[str, int] = {
+    # block formats (ggml-common.h), from gguf's table
+    "QK_K": GGML_QUANT_SIZES[QT.Q4_K][0],              # 256 elements per k-quant super-block
+    "QK8_1": 32,                                       # q8_1 activation block
+    "Q4K_BYTES": GGML_QUANT_SIZES[QT.Q4_K][1],         # 144
+    "Q6K_BYTES": GGML_QUANT_SIZES[QT.Q6_K][1],         # 210
+    "Q6K_PADDED": 224,                                 # registered q6_K stride: 16-byte aligned
+    "Q8_0_BYTES": GGML_QUANT_SIZES[QT.Q8_0][1],        # 34
+    # one-dimensional kernels (element-wise, casts, dequantization, q8_1 quantization)
+    "THREADS_1D": 256,
+    # int8 MMQ GEMMs (mmq.cu): an MMQ_BM tokens x MMQ_BN rows output tile per CTA,
+    # K walked in tiles of MMQ_KDR 32-element chunks through MMQ_NST smem stages
+    "MMQ_BM": 64,
+    "MMQ_BN": 64,
+    "MMQ_KDR": 2,
+    "MMQ_NST": 3,
+    "MMQ_THREADS": 256,
+    # matvec (matvec.cu): one warp per output row
+    "MV_ROWS": 8,
+    # rmsnorm (norm.cu): one block per row
+    "NORM_THREADS": 256,
+    # f32 attention (attention.cu): ATT_BQ query rows per block, keys in tiles of ATT_BK
+    "ATT_BQ": 16,
+    "ATT_BK": 32,
+    "ATT_WARPS": 4,
+    # f16 flash attention (flash_attn.cu): head dim, queries per block, keys per tile
+    "FA_HD": 128,
+    "FA_BQ": 64,
+    "FA_BK": 64,
+    "FA_WARPS": 4,
+}
+K = KERNEL_CONSTANTS
+
 NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def define_flags() -> tuple[str, ...]:
+    """-DNAME=VALUE for every kernel constant (NVRTC and nvcc take the same flags)."""
+    return ("-DMINFER_CONSTANTS=1",) + tuple(f"-D{k}={v}" for k, v in KERNEL_CONSTANTS.items())
 
 
 @functools.lru_cache(maxsize=1)
@@ -23,29 +68,16 @@ def kernel_dir() -> Path:
     return d
 
 
-def source(filename: str) -> str:
-    return (kernel_dir() / filename).read_text()
-
-
 @functools.lru_cache(maxsize=None)
-def module(filename: str, name_expressions: tuple[str, ...] = (),
-           defines: tuple[tuple[str, str], ...] = ()):
+def module(filename: str, name_expressions: tuple[str, ...] = ()):
     """Compile kernels/<filename> (NVRTC, for the current device) -> cupy.RawModule.
 
     name_expressions: C++ template instantiations to export, e.g.
-    ("mmq_q6k_bt<2, true>",); defines: (("NAME", "VALUE"), ...) injected as -D.
-    Cached per (file, instantiations, defines), so each compiles once per process
-    (and cupy's on-disk cache makes later processes fast).
+    ("mmq_q6k_bt<2, true>",). Cached per (file, instantiations), so each compiles
+    once per process (and cupy's on-disk cache makes later processes fast).
     """
     import cupy
 
-    opts = NVRTC_OPTIONS + (f"-I{kernel_dir()}",) + tuple(f"-D{k}={v}" for k, v in defines)
-    return cupy.RawModule(code=source(filename), options=opts,
+    opts = NVRTC_OPTIONS + (f"-I{kernel_dir()}",) + define_flags()
+    return cupy.RawModule(code=(kernel_dir() / filename).read_text(), options=opts,
                           name_expressions=name_expressions or None)
-
-
-def function(filename: str, name: str, name_expressions: tuple[str, ...] = (),
-             defines: tuple[tuple[str, str], ...] = ()):
-    """One kernel (a plain extern "C" name, or one of name_expressions)."""
-    mod = module(filename, name_expressions, defines)
-    return mod.get_function(name)

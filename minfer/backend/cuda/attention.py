@@ -1,0 +1,103 @@
+"""Causal GQA attention over a layer's KV cache, one wrapper per kernel:
+
+    attention_f32    kernels/attention.cu   f32 cache, tiled online softmax (head dims 64, 128)
+    flash_attention  kernels/flash_attn.cu  f16 cache, tensor-core mma.m16n8k16 (head dim 128)
+    attention_f16    store_kv_f16 + cast of q + flash_attention
+
+Both compute softmax(q k^T / sqrt(hd)) v over keys 0..pos0+t for query t, query
+head h reading KV head h // (n_head / n_kv), streaming key tiles (no T x T
+buffer). The f16 path rounds Q, K, V and the probabilities to f16 and keeps
+scores, the softmax and the accumulators in f32.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...errors import MinferError
+from .f16 import cast_f16
+from .launch import blocks_1d, check, cp, kernel, out_array, scratch_view
+from .nvrtc import K
+
+FA_HD = K["FA_HD"]
+F32_HEAD_DIMS = (64, 128)                   # the instantiations of attention.cu
+_F32_INSTANCES = tuple(f"attention_f32<{hd}>" for hd in F32_HEAD_DIMS)
+
+
+def _check_heads(n_head: int, n_kv: int, T: int, pos0: int, n_ctx: int, what: str) -> None:
+    if n_kv < 1 or n_head % n_kv:
+        raise ValueError(f"{what}: {n_head} query heads do not group over {n_kv} KV heads")
+    if pos0 < 0 or pos0 + T > n_ctx:
+        raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {n_ctx}")
+
+
+def attention_f32(q, k, v, k_cache, v_cache, pos0: int, out=None):
+    """q (T, n_head, hd), k/v (T, n_kv, hd) f32; k_cache/v_cache: one layer's
+    (n_ctx, n_kv, hd) f32. Stores k/v at pos0..pos0+T-1, then attention -> (T, n_head*hd)."""
+    check(q, "attention q", cp.float32, ndim=3, align16=True)
+    T, n_head, hd = q.shape
+    if hd not in F32_HEAD_DIMS:
+        raise ValueError(f"attention: head dim {hd} not in {F32_HEAD_DIMS}")
+    check(k_cache, "attention k_cache", cp.float32, ndim=3, align16=True)
+    n_ctx, n_kv, _ = k_cache.shape
+    check(v_cache, "attention v_cache", cp.float32, (n_ctx, n_kv, hd), align16=True)
+    check(k, "attention k", cp.float32, (T, n_kv, hd))
+    check(v, "attention v", cp.float32, (T, n_kv, hd))
+    _check_heads(n_head, n_kv, T, pos0, n_ctx, "attention")
+    y = out_array(out, (T, n_head * hd), "attention out", align16=True)     # (T, n_head*hd)
+    k_cache[pos0:pos0 + T] = k                                               # (T, n_kv, hd)
+    v_cache[pos0:pos0 + T] = v
+    if T:
+        kernel("attention.cu", f"attention_f32<{hd}>", _F32_INSTANCES)(
+            (blocks_1d(T, K["ATT_BQ"]), n_head), (32 * K["ATT_WARPS"],),
+            (q, k_cache, v_cache, y, np.int32(T), np.int32(n_head), np.int32(n_kv),
+             np.int32(pos0), np.float32(1.0 / math.sqrt(hd))))
+    return y
+
+
+def store_kv_f16(k, v, k_cache, v_cache, pos0: int) -> None:
+    """k, v (T, n_kv, hd) f32 -> rows pos0..pos0+T-1 of one layer's f16 caches
+    k_cache, v_cache (n_ctx, n_kv, hd)."""
+    check(k_cache, "store_kv_f16 k_cache", cp.float16, ndim=3)
+    n_ctx = k_cache.shape[0]
+    check(v_cache, "store_kv_f16 v_cache", cp.float16, k_cache.shape)
+    T = k.shape[0]
+    for a, nm in ((k, "k"), (v, "v")):
+        check(a, f"store_kv_f16 {nm}", cp.float32, (T,) + k_cache.shape[1:])
+    if pos0 < 0 or pos0 + T > n_ctx:
+        raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {n_ctx}")
+    for a, c in ((k, k_cache), (v, v_cache)):
+        cast_f16(a, c[pos0:pos0 + T])        # a contiguous run of rows: a view, no copy
+
+
+def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
+    """q16 (T, n_head, 128) f16; k_cache, v_cache (n_ctx, n_kv, 128) f16 holding
+    positions 0..pos0+T-1 -> out (T, n_head*128) f32."""
+    check(q16, "flash_attention q16", cp.float16, ndim=3, align16=True)
+    T, n_head, hd = q16.shape
+    if hd != FA_HD:
+        raise ValueError(f"flash_attention: q16 has shape {q16.shape}, expected (T, n_head, {FA_HD})")
+    check(k_cache, "flash_attention k_cache", cp.float16, ndim=3, align16=True)
+    if k_cache.shape[2] != FA_HD:
+        raise ValueError(f"flash_attention: cache shape {k_cache.shape}, expected (n_ctx, n_kv, {FA_HD})")
+    check(v_cache, "flash_attention v_cache", cp.float16, k_cache.shape, align16=True)
+    n_ctx, n_kv, _ = k_cache.shape
+    _check_heads(n_head, n_kv, T, pos0, n_ctx, "flash_attention")
+    out = out_array(out, (T, n_head * FA_HD), "flash_attention out", align16=True)
+    if T:
+        scale_log2 = math.log2(math.e) / math.sqrt(FA_HD)   # scores in the log2 domain (exp2f)
+        kernel("flash_attn.cu", "flash_attn_f16")(
+            (blocks_1d(T, K["FA_BQ"]), n_head), (32 * K["FA_WARPS"],),
+            (q16, k_cache, v_cache, out, np.int32(T), np.int32(n_head), np.int32(n_kv),
+             np.int32(pos0), np.float32(scale_log2)))
+    return out
+
+
+def attention_f16(q, k, v, k_cache, v_cache, pos0: int, out=None, q16=None):
+    """q (T, n_head, 128), k/v (T, n_kv, 128) f32: stores k/v into the f16 caches at
+    pos0.., rounds q into the f16 scratch q16 (>= T*n_head*128), then flash_attention
+    -> (T, n_head*128) f32."""
+    store_kv_f16(k, v, k_cache, v_cache, pos0)
+    qh = cast_f16(q, scratch_view(q16, q.shape, "attention_f16 q16", cp.float16))   # (T, n_head, 128)
+    return flash_attention(qh, k_cache, v_cache, pos0, out)

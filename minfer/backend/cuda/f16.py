@@ -1,0 +1,121 @@
+"""The f16 engine of long prefills: tensor cores in f16, f32 accumulation.
+
+    dequant_f16      kernels/dequant_f16.cu  q4_K (144-byte blocks), q6_K padded, or q6_K
+                                             through its W_exp plane -> W16 (n_out, n_in) f16
+    cast_f16         kernels/dequant_f16.cu  f32 -> f16 (round to nearest even), 4 per thread
+    swiglu_f16       kernels/dequant_f16.cu  silu(gate) * up on f16, computed in f32
+    linear_f16_from  dequant_f16 + cublas.gemm_f16 [+ bias]: xh f16 (T, n_in) @ W^T
+
+Numerics: a dequantized weight is the f32 value of the NumPy reference rounded
+once to f16 (the kernels equal np.float16(dequantize_rows(...)) bit for bit);
+activations are rounded once to f16; the tensor cores multiply exactly and sum
+in f32. Scratch (x16, w16) is passed in by the caller (gemm.py), allocated for
+the longest prompt and the largest weight, so nothing here allocates when the
+caller gives `out`.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ...errors import MinferError
+from .cublas import gemm_f16
+from .launch import blocks_1d, check, cp, kernel, launch_grid_stride, scratch_view
+from .nvrtc import K
+
+QK_K = K["QK_K"]
+_PER_THREAD = 16                 # outputs per thread of the dequant kernels
+
+# qtype -> (kernel, device bytes per 256-element super-block)
+_DEQ = {QT.Q4_K: ("dequant_q4k_f16", K["Q4K_BYTES"]),       # blocks as stored
+        QT.Q6_K: ("dequant_q6k_f16", K["Q6K_PADDED"])}      # padded 224-byte stride
+F16_QTYPES = frozenset(_DEQ)
+
+
+def dequant_f16(raw, qtype, n_out: int, n_in: int, out=None, w_exp=None):
+    """Quantized W (n_out, n_in) on the device -> W16 (n_out, n_in) f16.
+
+    raw: uint8 device bytes, q4_K as stored or q6_K padded; w_exp (q6_K only): the
+    W_exp plane, int8 (n_out, n_in) = (ql | qh<<4) - 32, read instead of ql/qh
+    (the scales and d still come from the padded blocks). out: f16 scratch with
+    >= n_out*n_in elements.
+    """
+    qtype = QT(qtype)
+    if qtype not in _DEQ:
+        raise MinferError(f"no f16 dequantizer for {qtype.name} (have: "
+                          f"{', '.join(t.name for t in _DEQ)})")
+    if n_out <= 0 or n_in <= 0 or n_in % QK_K:
+        raise ValueError(f"dequant_f16 {qtype.name}: shape ({n_out}, {n_in}) needs n_in a positive "
+                         f"multiple of {QK_K}")
+    name, block_bytes = _DEQ[qtype]
+    check(raw, f"dequant_f16 {qtype.name} raw", cp.uint8,
+          size=n_out * (n_in // QK_K) * block_bytes, align16=True)
+    w16 = scratch_view(out, (n_out, n_in), "dequant_f16 out", cp.float16)          # (n_out, n_in)
+    check(w16, "dequant_f16 out", cp.float16, align16=True)
+    n_threads = n_out * n_in // _PER_THREAD
+    args = (raw, w16, np.int64(n_threads))
+    if w_exp is not None:
+        if qtype != QT.Q6_K:
+            raise ValueError(f"dequant_f16: a W_exp plane belongs to q6_K, not {qtype.name}")
+        check(w_exp, "dequant_f16 q6_K W_exp", cp.int8, size=n_out * n_in, align16=True)
+        name, args = "dequant_q6k_exp_f16", (raw, w_exp, w16, np.int64(n_threads))
+    kernel("dequant_f16.cu", name)((blocks_1d(n_threads),), (K["THREADS_1D"],), args)
+    return w16
+
+
+def _by4(x, what: str) -> int:
+    if x.size % 4:
+        raise ValueError(f"{what}: {x.size} elements, need a multiple of 4")
+    return x.size // 4
+
+
+def cast_f16(x, out=None):
+    """x f32 (any shape, size % 4 == 0) -> f16 of the same shape (round to nearest even)."""
+    check(x, "cast_f16 x", cp.float32, align16=True)
+    n4 = _by4(x, "cast_f16")
+    y = check(scratch_view(out, x.shape, "cast_f16 out", cp.float16), "cast_f16 out",
+              cp.float16, align16=True)
+    launch_grid_stride("dequant_f16.cu", "cast_f32_f16", n4, (x, y))
+    return y
+
+
+def swiglu_f16(gate, up, out=None):
+    """gate, up f16 (same shape, size % 4 == 0) -> silu(gate) * up, f16 (f32 math)."""
+    check(gate, "swiglu_f16 gate", cp.float16, align16=True)
+    check(up, "swiglu_f16 up", cp.float16, gate.shape, align16=True)
+    n4 = _by4(gate, "swiglu_f16")
+    y = check(scratch_view(out, gate.shape, "swiglu_f16 out", cp.float16), "swiglu_f16 out",
+              cp.float16, align16=True)
+    launch_grid_stride("dequant_f16.cu", "swiglu_f16", n4, (gate, up, y))
+    return y
+
+
+def linear_f16_from(xh, raw, qtype, n_out: int, n_in: int, out=None, w16=None, w_exp=None,
+                    bias=None):
+    """xh (T, n_in) f16 (already rounded) @ W (n_out, n_in)^T [+ bias] -> (T, n_out)
+    f32 (or f16 when out is f16).
+
+    W is dequantized into the f16 scratch w16 (>= n_out*n_in elements), then one
+    cuBLAS GEMM; the bias is added in place, in f32. Weights that read the same
+    input (q/k/v, gate/up) share one xh."""
+    if xh.ndim != 2 or xh.shape[1] != n_in:
+        raise ValueError(f"linear_f16: x16 has shape {xh.shape}, expected (T, {n_in})")
+    if out is None:
+        out = cp.empty((xh.shape[0], n_out), dtype=cp.float32)                    # (T, n_out)
+    gemm_f16(xh, dequant_f16(raw, qtype, n_out, n_in, w16, w_exp), out)
+    if bias is not None:
+        if out.dtype != cp.float32:
+            raise ValueError("linear_f16: a bias needs a float32 out")
+        check(bias, "linear_f16 bias", cp.float32, (n_out,))
+        out += bias                                                               # (T, n_out)
+    return out
+
+
+def linear_f16(x, raw, qtype, n_out: int, n_in: int, out=None, x16=None, w16=None, w_exp=None,
+               bias=None):
+    """x (T, n_in) f32 -> rounded into the f16 scratch x16, then linear_f16_from."""
+    check(x, "linear_f16 x", cp.float32, ndim=2)
+    if x.shape[1] != n_in:
+        raise ValueError(f"linear_f16: x has shape {x.shape}, expected (T, {n_in})")
+    xh = cast_f16(x, scratch_view(x16, x.shape, "linear_f16 x16", cp.float16))     # (T, n_in)
+    return linear_f16_from(xh, raw, qtype, n_out, n_in, out, w16, w_exp, bias)

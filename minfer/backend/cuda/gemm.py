@@ -1,0 +1,200 @@
+"""Which path each matmul takes, and the linears that take it.
+
+`gemm_path` is the one place that decides; everything else asks it. The paths
+(docs/DESIGN.md has the table with the measurements behind it):
+
+    f32 weight                      -> cupy matmul in f32                 counter f32_gemm
+    T == 1 (decode)                 -> matvec on f32 x (int8.py)          q4k_mv / q6k_mv
+    T >= settings.f16_min_t, a layer weight (not a table)
+                                    -> f16 engine: W dequantized into an f16 scratch
+                                       (q6_K: from its W_exp plane when it has one),
+                                       one cuBLAS GEMM, f32 accumulation  q4k_f16 / q6k_f16
+    otherwise (the LM head over many positions, or f16_min_t moved up)
+                                    -> int8 MMQ on q8_1 activations       q4k_mmq / q6k_mmq
+
+A q6_K GEMM on either engine also counts where its B operand came from:
+`q6k exp` (the W_exp plane: the fast path), `q6k exp=off` (planes deliberately
+off), `q6k fallback!` (a plane was expected and is missing), `q6k raw` (a q6_K
+tensor the bundle does not cover).
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType as QT
+
+from ...errors import MinferError
+from . import f16, int8
+from .launch import cp
+from .settings import CudaSettings
+from .weights import GpuWeight, WeightStore
+
+COUNTERS = ("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
+            "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw",
+            "q4k_mv", "q6k_mv", "f32_gemm")
+_PREFIX = {QT.Q4_K: "q4k", QT.Q6_K: "q6k"}
+
+
+@dataclass(frozen=True)
+class GemmPath:
+    engine: str                 # "f32", "matvec", "f16" or "mmq"
+    counter: str                # the launch counter of the engine
+    b_source: str | None        # q6_K on f16/mmq: "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw"
+
+    @property
+    def reads_plane(self) -> bool:
+        return self.b_source == "q6k exp"
+
+
+def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool) -> GemmPath:
+    """The path of x (T, n_in) @ w^T, from the token count, the weight (type, table or
+    not, covered by the W_exp bundle or not), the settings and whether a plane is
+    registered for it. Pure: same arguments, same path."""
+    if w.qtype == QT.F32:
+        return GemmPath("f32", "f32_gemm", None)
+    if w.qtype not in _PREFIX:
+        raise MinferError(f"linear {w.name}: {w.qtype.name} weights are not supported by "
+                          f"the CUDA backend (q4_K, q6_K, f32)")
+    prefix = _PREFIX[w.qtype]
+    if T == 1:
+        return GemmPath("matvec", f"{prefix}_mv", None)
+    engine = "f16" if T >= settings.f16_min_t and not w.table else "mmq"
+    source = None
+    if w.qtype == QT.Q6_K:
+        if not w.plane_tensor:
+            source = "q6k raw"
+        elif not settings.use_planes:
+            source = "q6k exp=off"
+        else:
+            source = "q6k exp" if has_plane else "q6k fallback!"
+    return GemmPath(engine, f"{prefix}_{engine}", source)
+
+
+class Counters:
+    """Launches per path since the last reset; a CUDA graph replay adds the counts
+    its capture recorded."""
+
+    def __init__(self, report_at_exit: bool = False):
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        if report_at_exit:
+            atexit.register(self._report)
+
+    def reset(self) -> None:
+        self.counts = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, counts: dict) -> None:
+        for k, n in counts.items():
+            self.counts[k] += n
+
+    def count(self, path: GemmPath) -> None:
+        self.counts[path.counter] += 1
+        if path.b_source:
+            self.counts[path.b_source] += 1
+
+    def _report(self) -> None:
+        for path, n in self.counts.items():
+            print(f"[minfer mmq] {path}: {n}", file=sys.stderr)
+
+
+class Gemms:
+    """The linears of one backend: each asks gemm_path, counts the launch and runs
+    it. Scratch (q8_1 activations, f16 activations and weights) grows to the
+    largest call and is reused: one stream orders every reuse after the GEMM
+    that read it."""
+
+    def __init__(self, store: WeightStore, settings: CudaSettings):
+        self.store = store
+        self.settings = settings                 # replaced by CUDABackend.using
+        self.counters = Counters(settings.report_counts)
+        self._q8 = None                          # (q int8, d f32, s f32), flat
+        self._f16 = None                         # (x16, w16) f16, flat
+
+    def path(self, T: int, w: GpuWeight) -> GemmPath:
+        return gemm_path(T, w, self.settings, self.store.plane_of(w) is not None)
+
+    def linear(self, x, w: GpuWeight, bias=None, out=None):
+        """x f32 (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> f32 (T, n_out)."""
+        if x.ndim != 2 or x.shape[1] != w.n_in:
+            raise MinferError(f"linear {w.name}: input shape {tuple(x.shape)} does not match "
+                              f"the weight's {w.n_in} inputs")
+        T = x.shape[0]
+        p = self.path(T, w)
+        if p.engine == "f16":
+            return self._f16_linears(x, (w,), (bias,), (out,))[0]
+        self.counters.count(p)
+        if p.engine == "f32":
+            y = cp.matmul(x, w.data.T, out=out)                          # (T, n_out)
+            return y if bias is None else cp.add(y, bias, out=y)
+        if p.engine == "matvec":
+            return int8.matvec(w.qtype, x, w.data, w.n_out, bias, out)
+        xq, xd, xs = int8.quantize_q8_1(x, *self._q8_scratch(T, w.n_in))
+        if w.qtype == QT.Q4_K:
+            return int8.mmq_q4k(xq, xd, xs, w.data, w.n_out, bias, out)
+        plane = self.store.plane_of(w) if p.reads_plane else None
+        return int8.mmq_q6k(xq, xd, w.data, plane, w.n_out, bias, out)
+
+    def linears(self, x, ws, biases) -> list:
+        """Weights that read the same x (q/k/v, gate/up) -> [f32 (T, n_out) each]. On
+        the f16 engine x is rounded to f16 once for all of them."""
+        T = x.shape[0]
+        if all(self.path(T, w).engine == "f16" and w.n_in == x.shape[1] for w in ws):
+            return self._f16_linears(x, ws, biases, (None,) * len(ws))
+        return [self.linear(x, w, b) for w, b in zip(ws, biases)]
+
+    def ffn_fused(self, T: int, gate: GpuWeight, up: GpuWeight, down: GpuWeight) -> bool:
+        """Does the FFN of T tokens run fused in f16 (all three GEMMs on the f16 engine)?"""
+        return (self.settings.ffn_f16 and gate.n_out == up.n_out == down.n_in
+                and all(self.path(T, w).engine == "f16" for w in (gate, up, down)))
+
+    def ffn_f16(self, h, gate: GpuWeight, up: GpuWeight, down: GpuWeight):
+        """h f32 (T, d) -> down(silu(gate h) * up h) f32 (T, d) with the (T, d_ff)
+        intermediates in f16: gate/up write f16, swiglu reads and writes f16, the
+        down GEMM reads it (no f32 round trip)."""
+        T, d_ff = h.shape[0], gate.n_out
+        x16, w16 = self._f16_scratch(T * max(h.shape[1], d_ff))
+        xh = f16.cast_f16(h, x16[:h.size].reshape(h.shape))                     # (T, d)
+        gu = [self._f16_gemm(xh, w, w16, out=cp.empty((T, d_ff), cp.float16))   # (T, d_ff)
+              for w in (gate, up)]
+        f = f16.swiglu_f16(*gu, out=x16)                                         # (T, d_ff)
+        return self._f16_gemm(f, down, w16)
+
+    def _f16_linears(self, x, ws, biases, outs):
+        x16, w16 = self._f16_scratch(x.size)
+        xh = f16.cast_f16(x, x16[:x.size].reshape(x.shape))                     # (T, n_in)
+        return [self._f16_gemm(xh, w, w16, out=o, bias=b) for w, b, o in zip(ws, biases, outs)]
+
+    def _f16_gemm(self, xh, w: GpuWeight, w16, out=None, bias=None):
+        p = self.path(xh.shape[0], w)
+        self.counters.count(p)
+        plane = self.store.plane_of(w) if p.reads_plane else None
+        return f16.linear_f16_from(xh, w.data, w.qtype, w.n_out, w.n_in, out=out, w16=w16,
+                                   w_exp=plane, bias=bias)
+
+    def _q8_scratch(self, T: int, n: int):
+        """q8_1 buffers for x (T, n), grown when too small."""
+        if self._q8 is None or self._q8[0].size < T * n:
+            self._q8 = (cp.empty(T * n, cp.int8),                      # (T*n,)
+                        cp.empty(T * n // 32, cp.float32),             # (T*n/32,)
+                        cp.empty(T * n // 32, cp.float32))             # (T*n/32,)
+        q, d, s = self._q8
+        return (q[:T * n].reshape(T, n), d[:T * n // 32].reshape(T, n // 32),
+                s[:T * n // 32].reshape(T, n // 32))
+
+    def _f16_scratch(self, n_x: int):
+        """f16 scratch: x16 (>= n_x) and w16 (the largest layer weight), grown when too small."""
+        x16, w16 = self._f16 if self._f16 is not None else (None, None)
+        if x16 is None or x16.size < n_x:
+            x16 = cp.empty(n_x, cp.float16)                             # (T*n_in,)
+        if w16 is None or w16.size < self.store.f16_elems:
+            w16 = cp.empty(self.store.f16_elems, cp.float16)            # (n_out*n_in,) of the largest
+        self._f16 = (x16, w16)
+        return self._f16
+
+    def scratch(self) -> tuple:
+        """The scratch buffers now in use (a captured graph keeps them alive)."""
+        return (self._q8, self._f16)
+
+    def scratch_bytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self._f16 or ()))

@@ -1,0 +1,117 @@
+"""Kernels on quantized weights that read the blocks as stored, one wrapper each:
+
+    quantize_q8_1  kernels/quantize.cu  x f32 (T, K) -> q8_1 blocks of 32 (int8 q, scale d, sum s)
+    mmq_q4k        kernels/mmq.cu       q8_1 x @ q4_K W^T on int8 tensor cores (mma m16n8k16)
+    mmq_q6k        kernels/mmq.cu       q8_1 x @ q6_K W^T; with a W_exp plane, B is staged
+                                        by cp.async from the plane (EXP=true), else the
+                                        padded blocks are expanded in the kernel (EXP=false)
+    matvec_q4k/q6k kernels/matvec.cu    x f32 (1, K) @ W^T, one warp per output row
+    dequant_rows   kernels/dequant.cu   selected rows of a table (the embedding), bit-identical
+                                        to minfer.quants.dequantize_rows
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ...errors import MinferError
+from .launch import blocks_1d, check, cp, kernel, or_null, out_array
+from .nvrtc import K
+
+QK_K = K["QK_K"]
+MMQ_BM, MMQ_BN, MMQ_THREADS, MMQ_KDR = K["MMQ_BM"], K["MMQ_BN"], K["MMQ_THREADS"], K["MMQ_KDR"]
+MV_ROWS = K["MV_ROWS"]
+_MMQ = (f"mmq_q4k<{MMQ_KDR}>", f"mmq_q6k_bt<{MMQ_KDR}, true>", f"mmq_q6k_bt<{MMQ_KDR}, false>")
+
+# device bytes of one 256-element super-block of a weight row, as registered
+BLOCK_BYTES = {QT.Q4_K: K["Q4K_BYTES"], QT.Q6_K: K["Q6K_PADDED"]}
+
+# table type -> its row-dequantization kernel (the embedding lookup)
+ROW_KERNELS = {QT.Q4_K: "dequant_rows_q4k", QT.Q6_K: "dequant_rows_q6k",
+               QT.Q8_0: "dequant_rows_q8_0", QT.F16: "dequant_rows_f16",
+               QT.F32: "dequant_rows_f32"}
+
+
+def quantize_q8_1(x, q=None, d=None, s=None):
+    """x f32 (T, K) -> q int8 (T, K), d f32 (T, K/32), s f32 (T, K/32)"""
+    check(x, "quantize_q8_1 x", cp.float32, ndim=2)
+    T, n = x.shape
+    if n % K["QK8_1"]:
+        raise ValueError(f"quantize_q8_1: x shape {x.shape}, K must be a multiple of 32")
+    nb = n // K["QK8_1"]
+    q = out_array(q, (T, n), "quantize_q8_1 q", cp.int8)              # (T, K)
+    d = out_array(d, (T, nb), "quantize_q8_1 d")                      # (T, K/32)
+    s = out_array(s, (T, nb), "quantize_q8_1 s")                      # (T, K/32)
+    if T * nb:
+        warps = K["THREADS_1D"] // 32                                 # one warp per block of 32
+        kernel("quantize.cu", "quantize_q8_1")((blocks_1d(T * nb, warps),), (K["THREADS_1D"],),
+                                               (x, q, d, s, np.int64(T * nb)))
+    return q, d, s
+
+
+def _mmq(name: str, xq, xd, extra: tuple, w, qtype, od: int, bias, y):
+    """The launch shared by the two MMQ kernels: checks x (q8_1), W's bytes, bias, y."""
+    check(xq, "mmq xq", cp.int8, ndim=2)
+    T, n = xq.shape
+    if n % QK_K:
+        raise ValueError(f"mmq: K={n} is not a multiple of {QK_K}")
+    check(xd, "mmq xd", cp.float32, (T, n // 32))
+    check(w, f"{name} w", cp.uint8, (od, n // QK_K * BLOCK_BYTES[qtype]))
+    if bias is not None:
+        check(bias, "mmq bias", cp.float32, (od,))
+    y = out_array(y, (T, od), "mmq y")                                # (T, od)
+    if T and od:
+        kernel("mmq.cu", name, _MMQ)((blocks_1d(od, MMQ_BN), blocks_1d(T, MMQ_BM)), (MMQ_THREADS,),
+                                     (xq, xd) + extra + (or_null(bias), y,
+                                                         np.int32(T), np.int32(od), np.int32(n)))
+    return y
+
+
+def mmq_q4k(xq, xd, xs, w, od: int, bias=None, y=None):
+    """q8_1 x (T, K) @ q4_K W (od, K)^T [+ bias] -> y (T, od) f32.
+    w: uint8 (od, K/256*144) device, block_q4_K rows as stored; xs: the q8_1 sums."""
+    check(xs, "mmq xs", cp.float32, xd.shape)
+    return _mmq(_MMQ[0], xq, xd, (xs, w), w, QT.Q4_K, od, bias, y)
+
+
+def mmq_q6k(xq, xd, w_padded, plane, od: int, bias=None, y=None):
+    """q8_1 x (T, K) @ q6_K W (od, K)^T [+ bias] -> y (T, od) f32.
+    w_padded: uint8 (od, K/256*224) device; plane: int8 (od, K) W_exp -> EXP=true
+    (cp.async B staging), None -> EXP=false (in-kernel expansion)."""
+    if plane is not None:
+        check(plane, "mmq_q6k W_exp plane", cp.int8, (od, xq.shape[1]))
+    return _mmq(_MMQ[1] if plane is not None else _MMQ[2], xq, xd, (w_padded, or_null(plane)),
+                w_padded, QT.Q6_K, od, bias, y)
+
+
+def matvec(qtype, x, w, od: int, bias=None, y=None):
+    """x f32 (1, K) @ W (od, K)^T [+ bias] -> y (1, od); q4_K as stored, q6_K padded."""
+    qtype = QT(qtype)
+    name = {QT.Q4_K: "matvec_q4k", QT.Q6_K: "matvec_q6k"}[qtype]
+    n = x.shape[-1]
+    if n % QK_K:
+        raise ValueError(f"{name}: K={n} is not a multiple of {QK_K}")
+    check(x, f"{name} x", cp.float32, (1, n))
+    check(w, f"{name} w", cp.uint8, (od, n // QK_K * BLOCK_BYTES[qtype]))
+    if bias is not None:
+        check(bias, f"{name} bias", cp.float32, (od,))
+    y = out_array(y, (1, od), f"{name} y")                            # (1, od)
+    if od:
+        kernel("matvec.cu", name)((blocks_1d(od, MV_ROWS),), (MV_ROWS * 32,),
+                                  (w, x, or_null(bias), y, np.int32(od), np.int32(n)))
+    return y
+
+
+def dequant_rows(qtype, w, n_cols: int, tokens, y=None):
+    """rows `tokens` (int32 (T,) device) of table w -> y f32 (T, n_cols).
+    w: q4_K uint8 as stored, q6_K uint8 padded, q8_0 uint8, f16 uint16, f32 float32."""
+    qtype = QT(qtype)
+    if qtype not in ROW_KERNELS:
+        raise MinferError(f"embedding rows of type {qtype.name} are not supported on the GPU")
+    check(tokens, "dequant_rows tokens", cp.int32, ndim=1)
+    T = tokens.shape[0]
+    y = out_array(y, (T, n_cols), "dequant_rows y")                   # (T, n_cols)
+    if T and n_cols:
+        kernel("dequant.cu", ROW_KERNELS[qtype])((blocks_1d(n_cols), T), (K["THREADS_1D"],),
+                                                 (w, tokens, y, np.int32(n_cols)))
+    return y

@@ -1,0 +1,108 @@
+"""What every kernel wrapper shares: the cupy import, the argument checker, output
+and scratch views, the compiled-kernel lookup and the 1-D launch geometry.
+
+A wrapper (one per kernel, in int8.py, f16.py, attention.py, ops.py) checks its
+arguments with `check`, allocates or checks its output with `out_array`, and
+launches through `kernel(...)`; nothing else reaches NVRTC.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from ...errors import MinferError
+from . import nvrtc
+
+try:
+    import cupy as cp
+except Exception as e:  # noqa: BLE001 - any import failure means no CUDA backend
+    cp = None
+    CUPY_ERROR: str | None = f"{type(e).__name__}: {e}"
+else:
+    CUPY_ERROR = None
+
+THREADS_1D = nvrtc.K["THREADS_1D"]
+MAX_GRID_1D = 65535          # grid-stride kernels: enough blocks to fill the GPU, no more
+NULL = np.uint64(0)          # a nullptr kernel argument
+
+
+def require_cupy() -> None:
+    if cp is None:
+        raise MinferError(f"CUDA backend unavailable: cupy does not import ({CUPY_ERROR}); "
+                          f"install minfer[cuda12] or minfer[cuda13], or use --backend cpu")
+
+
+def check(a, what: str, dtype, shape=None, *, size: int | None = None, ndim: int | None = None,
+          align16: bool = False):
+    """The argument check of every wrapper: a C-contiguous cupy array of `dtype`,
+    optionally of a given shape / size / number of dimensions, and 16-byte aligned
+    (kernels that move 16-byte vectors) -> a. ValueError otherwise (a bug in the
+    caller, not bad user input)."""
+    if not isinstance(a, cp.ndarray) or a.dtype != dtype or not a.flags.c_contiguous:
+        raise ValueError(f"{what}: expected a C-contiguous {np.dtype(dtype).name} cupy array, "
+                         f"got {type(a).__name__} {getattr(a, 'dtype', '?')}")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+    if size is not None and a.size != size:
+        raise ValueError(f"{what}: {a.size} elements, expected {size}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{what}: expected {ndim} dimensions, got shape {tuple(a.shape)}")
+    if align16 and a.data.ptr % 16:
+        raise ValueError(f"{what}: device pointer {a.data.ptr:#x} is not 16-byte aligned")
+    return a
+
+
+def out_array(out, shape, what: str, dtype=None, align16: bool = False):
+    """A new (shape) array of dtype (default float32) when out is None, else out
+    checked to be exactly that."""
+    dtype = cp.float32 if dtype is None else dtype
+    if out is None:
+        return cp.empty(shape, dtype=dtype)
+    return check(out, what, dtype, shape, align16=align16)
+
+
+def scratch_view(scratch, shape, what: str, dtype):
+    """The leading prod(shape) elements of a flat scratch buffer, as `shape`
+    (a new array when scratch is None)."""
+    n = math.prod(shape)             # (math.prod: np.prod costs microseconds per launch)
+    if scratch is None:
+        return cp.empty(shape, dtype=dtype)
+    check(scratch, what, dtype)
+    if scratch.size < n:
+        raise ValueError(f"{what}: scratch holds {scratch.size} elements, {n} needed for {tuple(shape)}")
+    return scratch.reshape(-1)[:n].reshape(shape)
+
+
+def or_null(a):
+    """A device array, or a nullptr for an absent optional argument (bias, plane)."""
+    return NULL if a is None else a
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(filename: str, name: str, instances: tuple[str, ...] = ()):
+    """The compiled kernel `name` of kernels/<filename> (compiled once per process;
+    `instances` lists the template instantiations the file exports)."""
+    return nvrtc.module(filename, instances).get_function(name)
+
+
+def blocks_1d(n: int, per_block: int = THREADS_1D) -> int:
+    """Blocks that cover n items at per_block items a block."""
+    return (n + per_block - 1) // per_block
+
+
+def launch_grid_stride(filename: str, name: str, n: int, args: tuple) -> None:
+    """A grid-stride 1-D kernel over n items: args + (n,) as int64."""
+    if n:
+        kernel(filename, name)((min(blocks_1d(n), MAX_GRID_1D),), (THREADS_1D,),
+                               args + (np.int64(n),))
+
+
+def is_oom(e: BaseException) -> bool:
+    """Is e the device running out of memory (cupy's pool or a CUDA runtime call)?"""
+    if cp is None:
+        return False
+    if isinstance(e, cp.cuda.memory.OutOfMemoryError):
+        return True
+    return isinstance(e, cp.cuda.runtime.CUDARuntimeError) and "MemoryAllocation" in str(e)

@@ -1,0 +1,73 @@
+"""The f32 layer ops around the GEMMs, one wrapper per kernel:
+
+    rmsnorm  kernels/norm.cu         one block per row
+    rope     kernels/rope.cu         one thread per rotated pair, cos/sin from rope_table
+    swiglu   kernels/elementwise.cu  grid-stride, one element per thread
+    add      kernels/elementwise.cu  grid-stride (residual add; out may be a)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .launch import blocks_1d, check, cp, kernel, launch_grid_stride, out_array
+from .nvrtc import K
+
+
+def rope_table(n_pos: int, hd: int, base: float) -> np.ndarray:
+    """cos/sin of theta(p, i) = p * base^(-2i/hd), computed in float64 and rounded
+    once to f32 -> (n_pos, hd/2, 2) float32 (ggml's rope angles, without the drift
+    of its f32 running product)."""
+    inv_freq = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)     # (hd/2,)
+    theta = np.arange(n_pos, dtype=np.float64)[:, None] * inv_freq       # (n_pos, hd/2)
+    return np.stack([np.cos(theta), np.sin(theta)], axis=-1).astype(np.float32)
+
+
+def rmsnorm(x, w, eps: float, out=None):
+    """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w  (T, d)"""
+    check(x, "rmsnorm x", cp.float32, ndim=2)
+    T, d = x.shape
+    check(w, "rmsnorm w", cp.float32, (d,))
+    y = out_array(out, (T, d), "rmsnorm out")                                # (T, d)
+    if T:
+        kernel("norm.cu", "rmsnorm_f32")((T,), (K["NORM_THREADS"],),
+                                         (x, w, y, np.int32(d), np.float32(eps)))
+    return y
+
+
+def rope(x, cos_sin, pos0: int, neox: bool, out=None):
+    """x (T, n_heads, hd) at positions pos0.., cos_sin (n_pos, hd/2, 2) ->
+    rotated (T, n_heads, hd); NeoX halves or adjacent pairs; out may be x"""
+    check(x, "rope x", cp.float32, ndim=3)
+    check(cos_sin, "rope cos_sin", cp.float32, ndim=3)
+    T, n_heads, hd = x.shape
+    if hd % 2 or cos_sin.shape[1:] != (hd // 2, 2):
+        raise ValueError(f"rope: table {cos_sin.shape} does not fit head dim {hd}")
+    if pos0 < 0 or pos0 + T > cos_sin.shape[0]:
+        raise ValueError(f"rope: positions {pos0}..{pos0 + T - 1} outside the table of {cos_sin.shape[0]}")
+    y = out_array(out, x.shape, "rope out")                                  # (T, n_heads, hd)
+    n_pairs = T * n_heads * (hd // 2)
+    if n_pairs:
+        kernel("rope.cu", "rope_f32")((blocks_1d(n_pairs),), (K["THREADS_1D"],),
+                                      (x, y, cos_sin, np.int32(T), np.int32(n_heads), np.int32(hd),
+                                       np.int32(pos0), np.int32(bool(neox))))
+    return y
+
+
+def _same_shape_f32(a, b, what: str, out):
+    check(a, f"{what} a", cp.float32)
+    check(b, f"{what} b", cp.float32, a.shape)
+    return out_array(out, a.shape, f"{what} out")
+
+
+def swiglu(gate, up, out=None):
+    """gate, up (T, d_ff) -> silu(gate) * up (T, d_ff)"""
+    y = _same_shape_f32(gate, up, "swiglu", out)
+    launch_grid_stride("elementwise.cu", "swiglu_f32", gate.size, (gate, up, y))
+    return y
+
+
+def add(a, b, out=None):
+    """a + b, same shape (residual add); out may be a"""
+    y = _same_shape_f32(a, b, "add", out)
+    launch_grid_stride("elementwise.cu", "add_f32", a.size, (a, b, y))
+    return y
