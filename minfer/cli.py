@@ -44,9 +44,9 @@ def _read_text(path: str) -> str:
 
 # --- generate -----------------------------------------------------------------
 def cmd_generate(args) -> int:
-    from .chat import apply_chat_template
     from .engine import Engine, ModelFile
     from .generate import GenerationStats, generate
+    from .prompt import prompt_ids
 
     prompt = args.prompt if args.file is None else _read_text(args.file)
     if prompt == "":
@@ -54,19 +54,7 @@ def cmd_generate(args) -> int:
     if args.n_predict < 0:
         raise MinferError(f"-n must be >= 0, got {args.n_predict}")
     mf = ModelFile.open(_model_path(args), args.ctx_size)
-    tok = mf.tokenizer
-    add_bos = None
-    if args.chat:
-        bos = tok.tokens[tok.bos_id] if tok.bos_id is not None else ""
-        eos = tok.tokens[tok.eos_id] if tok.eos_id is not None else ""
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                   [{"role": "user", "content": prompt}]
-        prompt = apply_chat_template(tok.chat_template, messages, bos_token=bos, eos_token=eos)
-        if bos and prompt.startswith(bos):
-            add_bos = False             # the template wrote the BOS itself
-    ids = tok.encode(prompt, parse_special=True, add_bos=add_bos)
-    if len(ids) == 0:
-        raise MinferError("empty prompt: it tokenizes to nothing")
+    ids = prompt_ids(mf.tokenizer, prompt, chat=args.chat, system=args.system)
     if len(ids) > mf.n_ctx:
         raise MinferError(f"the prompt is {len(ids)} tokens, longer than the context of {mf.n_ctx}; "
                           f"shorten it or raise -c")

@@ -3,8 +3,8 @@ quantizers, written as complete GGUF files with the real model's tensor names
 and types.
 
 Two users: `write_synthetic` (a small qwen2/llama model for tests: real names,
-real quantization mix, the 7B's tokenizer) and `minfer.twin` (the 7B's exact
-layout). Both draw tensor values through `draw_rows`, so a tensor's values are
+real quantization mix, the 7B's tokenizer; `synth_model` caches one by its
+parameters, e.g. SMALL_MODEL) and `minfer.twin` (the 7B's exact layout). Both draw tensor values through `draw_rows`, so a tensor's values are
 a function of (seed, tensor name, row block) only — independent of how the
 work is split between processes, and the same bytes on every run.
 
@@ -15,15 +15,16 @@ std 1/sqrt(d) (like a trained model's, ~0.02 at d=3584).
 """
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, Keys, LlamaFileType
 
-from . import quants
 from .errors import MinferError
 from .package_data import package_data_dir
+from .quantize import quantize
 
 Q = GGMLQuantizationType
 HEADER_7B_NAME = "deepseek-r1-distill-qwen-7b-q4_k_m.header.gguf"
@@ -87,7 +88,7 @@ def quantize_rows(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     quantizers in their fast mode (search=False: ggml's first scale guess, no
     iterative search; valid blocks, ~10x faster, RMS error 0.078 vs 0.072 of std
     for q4_K on Gaussian data)."""
-    return quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qtype, search=False)
+    return quantize(np.ascontiguousarray(x, dtype=np.float32), qtype, search=False)
 
 
 def tensor_bytes(name: str, shape: tuple[int, ...], qtype: GGMLQuantizationType, seed: int,
@@ -206,4 +207,26 @@ def write_synthetic(path, *, n_layer: int = 2, d_model: int = 512, n_head: int =
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
     w.close()
+    return path
+
+
+# The model of the golden streams (scripts/golden.py, tests/golden/) and of the
+# GPU parity and CUDA-graph tests: 3 layers, d 512, GQA 2:1, head_dim 128.
+SMALL_MODEL = {"n_layer": 3, "d_model": 512, "n_head": 4, "n_head_kv": 2, "d_ff": 1280,
+               "seed": 20261129, "arch": "qwen2"}
+
+
+def synth_model(model_dir, params: dict = SMALL_MODEL) -> Path:
+    """The synthetic model for `params` (write_synthetic's keyword arguments, all
+    of SMALL_MODEL's keys) in model_dir -> Path, written on first use.
+
+    The file name encodes every parameter, so a cached file is reused only for
+    the same parameters, which give the same bytes."""
+    p = dict(params)
+    name = "synth-{arch}-L{n_layer}-d{d_model}-h{n_head}-{n_head_kv}-f{d_ff}-s{seed}.gguf".format(**p)
+    path = Path(model_dir) / name
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        write_synthetic(tmp, **p)
+        os.replace(tmp, path)        # never a half-written file under the final name
     return path

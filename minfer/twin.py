@@ -71,8 +71,9 @@ def _open_out(path: str, single_threaded: bool = False) -> None:
     global _fd
     _fd = os.open(path, os.O_WRONLY)
     if single_threaded:
-        # the process pool is the parallelism: quants.quantize's own thread pool
-        # (up to 8 threads per call) would oversubscribe the cores 8x
+        # the process pool is the parallelism: the thread pool that quantize
+        # chunks through (quants.for_each_chunk, up to 8 threads per call) would
+        # oversubscribe the cores 8x
         from . import quants
         quants.set_threads(1)
 
