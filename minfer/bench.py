@@ -1,20 +1,20 @@
 """`minfer bench`: prefill and decode throughput, load time, device memory, launch paths.
 
 Every number printed is measured in this process; none is computed from
-another, except tokens/s = tokens / measured seconds and the W_exp plane sum
-od x id, which is shown beside the measured plane allocation as the check of
-it (seed §5: a memory price must be summed over the tensor inventory).
+another, except tokens/s = tokens / measured seconds and the W_exp plane bytes
+expected from the GGUF tensor table (od x id summed over the tensors the bundle
+covers), which is shown beside the measured plane allocation as its check.
 
-Timing: CUDA events around `engine.model.forward(...)` on the CUDA backend
-(the forward ends with the logits' device-to-host copy, so the end event is
-recorded after all of its work), perf_counter on the CPU backend. Each test
-runs twice untimed (warm-up: kernel compilation, memory pool growth; on the
-CUDA backend the first use of a prompt length runs eagerly and the second
-captures the decoder layers into a CUDA graph, which the timed repetitions
-replay; MINFER_CUDA_GRAPHS=0 times the eager path instead), then r timed
-repetitions; prompt ids are seeded random ids in the vocabulary; every
-prefill starts at position 0 of one cache allocated once (DESIGN.md: no
-per-step allocations), so each repetition overwrites the same positions.
+Timing: the backend's timer (CUDA events on the CUDA backend, perf_counter
+around a synchronize on the CPU) around `engine.model.forward(...)`, which ends
+with the logits' device-to-host copy. Each test runs twice untimed (warm-up:
+kernel compilation, memory pool growth; on the CUDA backend the first use of a
+prompt length runs eagerly and the second captures the decoder layers into a
+CUDA graph, which the timed repetitions replay; MINFER_CUDA_GRAPHS=0 times the
+eager path instead), then r timed repetitions; prompt ids are seeded random ids
+in the vocabulary; every prefill starts at position 0 of one cache allocated
+once, so each repetition overwrites the same positions. The bench uses only
+the Backend interface (timer, counters, memory_report, memory_check).
 """
 from __future__ import annotations
 
@@ -34,40 +34,12 @@ DECODE_PROMPT = 16     # tokens prefilled before the timed decode steps
 
 # --- timing -------------------------------------------------------------------
 
-class Timer:
-    """Seconds of device work between start() and stop(): CUDA events on the CUDA
-    backend, perf_counter (after synchronize) elsewhere."""
-
-    def __init__(self, backend):
-        self.backend = backend
-        self.cuda = backend.name == "cuda"
-        if self.cuda:
-            import cupy
-            self._cupy = cupy
-            self._t0, self._t1 = cupy.cuda.Event(), cupy.cuda.Event()
-
-    def start(self) -> None:
-        self.backend.synchronize()
-        if self.cuda:
-            self._t0.record()
-        else:
-            self._s = time.perf_counter()
-
-    def stop(self) -> float:
-        if self.cuda:
-            self._t1.record()
-            self._t1.synchronize()
-            return self._cupy.cuda.get_elapsed_time(self._t0, self._t1) / 1e3
-        self.backend.synchronize()
-        return time.perf_counter() - self._s
-
-
 def prompt_ids(vocab: int, n: int, seed: int) -> np.ndarray:
     """n seeded random token ids in [0, vocab) -> int32 (n,)"""
     return np.random.default_rng(seed).integers(0, vocab, size=n, dtype=np.int32)
 
 
-def time_prefill(engine, cache, tokens: np.ndarray, timer: Timer, logits_from: int | None = None) -> float:
+def time_prefill(engine, cache, tokens: np.ndarray, timer, logits_from: int | None = None) -> float:
     """Seconds for one prefill of `tokens` from position 0 (LM head on the last
     position, or on positions logits_from.. like perplexity)."""
     timer.start()
@@ -75,7 +47,7 @@ def time_prefill(engine, cache, tokens: np.ndarray, timer: Timer, logits_from: i
     return timer.stop()
 
 
-def time_decode(engine, cache, prompt: np.ndarray, n: int, timer: Timer) -> float:
+def time_decode(engine, cache, prompt: np.ndarray, n: int, timer) -> float:
     """Prefill `prompt` (untimed), then seconds for n greedy single-token decode steps."""
     logits = engine.model.forward(prompt, 0, cache)[-1]
     pos = len(prompt)
@@ -92,45 +64,6 @@ def summary(n_tokens: int, seconds: list[float]) -> dict:
     return {"n_tokens": n_tokens, "reps": len(seconds), "seconds": seconds, "tok_s": tps,
             "median": statistics.median(tps), "min": min(tps), "max": max(tps),
             "stdev": statistics.stdev(tps) if len(tps) > 1 else 0.0}
-
-
-# --- memory -------------------------------------------------------------------
-
-def cache_bytes(cache) -> int:
-    """Bytes of the arrays a KV cache holds (numpy or cupy), measured on the object."""
-    return int(sum(getattr(v, "nbytes", 0) for v in vars(cache).values()
-                   if hasattr(v, "nbytes") and hasattr(v, "dtype")))
-
-
-def memory(engine, cache) -> dict:
-    """Device memory by kind (CUDA), or the process's peak resident set (CPU)."""
-    out: dict = {"kv_cache": cache_bytes(cache)}
-    be = engine.backend
-    quant = getattr(be, "quant", None)
-    if quant is not None:
-        out["by_kind"] = {k: int(v) for k, v in quant.memory_report().items()}
-        out["w_exp_planes"] = int(quant.plane_bytes)          # measured allocation
-        out["w_exp_plane_sum_odid"] = int(quant.plane_sum_odid)   # od*id over the planes (computed)
-    if be.name == "cuda":
-        import cupy
-        # the private pools of the captured CUDA graphs (their intermediates)
-        out["graph_pools"] = sum(int(g.pool.total_bytes())
-                                 for g in getattr(cache, "graphs", {}).values() if hasattr(g, "pool"))
-        pool = cupy.get_default_memory_pool()
-        free, total = cupy.cuda.runtime.memGetInfo()
-        out["pool_used"] = int(pool.used_bytes())
-        out["pool_total"] = int(pool.total_bytes())
-        out["device_used"] = int(total - free)
-        out["device_total"] = int(total)
-    else:
-        import resource
-        out["host_peak_rss"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-    return out
-
-
-def counters(engine) -> dict | None:
-    quant = getattr(engine.backend, "quant", None)
-    return dict(quant.counters()) if quant is not None and hasattr(quant, "counters") else None
 
 
 # --- the command ----------------------------------------------------------------
@@ -170,10 +103,10 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
     engine.backend.synchronize()
     load_s = time.perf_counter() - t0          # file -> device, W_exp planes included
     cache = engine.new_cache(n_ctx)
-    timer = Timer(engine.backend)
+    be = engine.backend
+    timer = be.timer()
     vocab = engine.cfg.vocab_size
 
-    quant = getattr(engine.backend, "quant", None)
     prompts = {P: prompt_ids(vocab, P, seed + i) for i, P in enumerate(lengths)}
     dprompt = prompt_ids(vocab, DECODE_PROMPT, seed + len(lengths))
     for tokens in prompts.values():                                     # warm-up, untimed:
@@ -181,8 +114,7 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
             time_prefill(engine, cache, tokens, timer)
     if n_decode:
         time_decode(engine, cache, dprompt, min(n_decode, 4), timer)
-    if quant is not None:
-        quant.reset_counters()                 # count the timed launches only
+    be.reset_counters()                        # count the timed launches only
 
     tests = {}
     for P, tokens in prompts.items():
@@ -202,10 +134,9 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
         "n_ctx": n_ctx,
         "load_s": load_s,
         "tests": tests,
-        "memory": memory(engine, cache),
-        "counters": counters(engine),
-        "cuda_graphs": getattr(engine.backend, "graphs_on", None),
-        "graph_replays": getattr(engine.backend, "graph_replays", None),
+        "memory": be.memory_report(cache),
+        "memory_check": be.memory_check(gf.tensors),
+        "counters": be.counters(),
     }
 
 
@@ -216,11 +147,8 @@ def _gib(n: int) -> str:
 def format_report(r: dict) -> str:
     size = _gib(r["size_bytes"])
     params = f"{r['params'] / 1e9:.2f} B"
-    lines = [f"load: {r['load_s']:.2f} s (file to {r['backend']} memory, W_exp planes included where registered)"]
-    if r.get("cuda_graphs") is not None:
-        lines.append(f"prefill: {'CUDA graph replays of the decoder layers' if r['cuda_graphs'] else 'eager (MINFER_CUDA_GRAPHS=0)'}"
-                     f" ({r['graph_replays']} replays in this run); decode: eager")
-    lines += ["",
+    lines = [f"load: {r['load_s']:.2f} s (file to {r['backend']} memory, W_exp planes included where registered)",
+             "",
              "| model | size | params | backend | test | t/s |",
              "| --- | ---: | ---: | --- | ---: | ---: |"]
     for name, t in r["tests"].items():
@@ -230,22 +158,14 @@ def format_report(r: dict) -> str:
     for name, t in r["tests"].items():
         lines.append(f"| {name} | {t['reps']} | {t['median']:.2f} | {t['min']:.2f} | "
                      f"{t['max']:.2f} | {t['stdev']:.2f} |")
-    m = r["memory"]
+    check = r.get("memory_check") or {}
     lines += ["", "| memory | bytes | |", "| --- | ---: | ---: |"]
-    for kind, v in m.get("by_kind", {}).items():
-        if kind == "W_exp planes":
-            continue            # the next row, beside its od x id sum
-        lines.append(f"| {kind} | {v:,} | {_gib(v)} |")
-    if "w_exp_planes" in m:
-        lines.append(f"| W_exp planes (allocated) | {m['w_exp_planes']:,} | "
-                     f"plane sum od×id = {m['w_exp_plane_sum_odid']:,} |")
-    labels = {"kv_cache": "KV cache", "graph_pools": "CUDA graph pools (intermediates)",
-              "pool_used": "memory pool used", "pool_total": "memory pool total",
-              "device_used": "device used (memGetInfo)", "device_total": "device total",
-              "host_peak_rss": "host peak RSS"}
-    for k, label in labels.items():
-        if k in m:
-            lines.append(f"| {label} | {m[k]:,} | {_gib(m[k])} |")
+    for kind, v in r["memory"].items():
+        note = _gib(v)
+        if kind == "W_exp planes" and "W_exp planes expected" in check:
+            verdict = "OK" if check.get("problem") is None else f"MISMATCH: {check['problem']}"
+            note = f"expected od×id over the tensor table = {check['W_exp planes expected']:,}: {verdict}"
+        lines.append(f"| {kind} | {v:,} | {note} |")
     if r["counters"] is not None:
         lines += ["", "| launch path | count (timed runs) |", "| --- | ---: |"]
         lines += [f"| {k} | {v} |" for k, v in r["counters"].items()]
@@ -256,6 +176,9 @@ def main(args) -> int:
     r = run(args.model, parse_lengths(args.prompt_lengths), args.reps, args.n_decode,
             args.backend, args.seed)
     print(json.dumps(r) if args.json else format_report(r))
+    problem = (r.get("memory_check") or {}).get("problem")
+    if problem:
+        raise MinferError(f"memory check failed: {problem}")
     return 0
 
 

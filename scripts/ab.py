@@ -4,12 +4,12 @@
     python scripts/ab.py -m MODEL -p 3325 -r 7 --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0
 
 Repetitions alternate A B A B ... so drift (clocks, temperature, other load)
-hits both sides alike; DESIGN.md: quote medians and ratios measured side by
-side in one run. Two modes, printed with the result:
+hits both sides alike: quote medians and ratios measured side by side in one
+run. Two modes, printed with the result:
 
 - toggle: the settings differ only in MINFER_MMQ_Q6K_EXP and the backend can
   switch the W_exp path at run time — one engine, loaded with the planes
-  registered, `backend.quant.set_exp_enabled(True/False)` before each rep.
+  registered, each rep under `backend.using(exp_enabled=True/False)`.
   The memory the B side would buy back is the measured plane allocation.
 - two engines: anything else (settings read at load time). Each engine is
   loaded with its setting in the environment, which is restored afterwards;
@@ -27,13 +27,9 @@ import json
 import os
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))          # run from a checkout without installing
-
-from minfer.bench import Timer, prompt_ids, time_prefill  # noqa: E402
-from minfer.errors import MinferError  # noqa: E402
+from minfer.bench import prompt_ids, time_prefill
+from minfer.errors import MinferError
 
 EXP_KEY = "MINFER_MMQ_Q6K_EXP"
 
@@ -72,40 +68,35 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
     toggle = set(a) | set(b) == {EXP_KEY} and a.get(EXP_KEY) != b.get(EXP_KEY) and backend == "cuda"
     if toggle:
         eng = load_with_env(model, backend, P, {EXP_KEY: "1"})    # planes registered
-        quant = getattr(eng.backend, "quant", None)
-        if quant is None or not hasattr(quant, "set_exp_enabled"):
-            raise MinferError("this backend cannot switch the W_exp path at run time")
         engines = {"A": eng, "B": eng}
         exp_on = {"A": a[EXP_KEY] != "0", "B": b[EXP_KEY] != "0"}
     else:
         engines = {"A": load_with_env(model, backend, P, a), "B": load_with_env(model, backend, P, b)}
     caches = {s: e.new_cache(P) for s, e in engines.items()} if not toggle else \
         dict.fromkeys("AB", engines["A"].new_cache(P))
-    timers = {s: Timer(e.backend) for s, e in engines.items()}
+    timers = {s: e.backend.timer() for s, e in engines.items()}
     tokens = prompt_ids(engines["A"].cfg.vocab_size, P, seed)
 
     def one(side: str) -> float:
-        if toggle:
-            engines[side].backend.quant.set_exp_enabled(exp_on[side])
-        return time_prefill(engines[side], caches[side], tokens, timers[side], logits_from)
+        if not toggle:
+            return time_prefill(engines[side], caches[side], tokens, timers[side], logits_from)
+        with engines[side].backend.using(exp_enabled=exp_on[side]):
+            return time_prefill(engines[side], caches[side], tokens, timers[side], logits_from)
 
     for side in "AB":                   # warm-up, untimed: first use eager, second
         one(side)                       # captures a CUDA graph (replayed by the reps)
         one(side)
-    quant = getattr(engines["A"].backend, "quant", None)
     counts = {"A": {}, "B": {}}
     secs = {"A": [], "B": []}
     order = []
     for _ in range(reps):
         for side in "AB":
-            q = getattr(engines[side].backend, "quant", None)
-            if q is not None:
-                q.reset_counters()
+            be = engines[side].backend
+            be.reset_counters()
             secs[side].append(one(side))
             order.append(side)
-            if q is not None:          # launch paths of this side's reps (liveness)
-                for k, v in q.counters().items():
-                    counts[side][k] = counts[side].get(k, 0) + v
+            for k, v in (be.counters() or {}).items():     # launch paths of this side's reps
+                counts[side][k] = counts[side].get(k, 0) + v
     res = {"model": str(model), "backend": backend, "n_tokens": P, "reps": reps,
            "logits_from": logits_from,
            "mode": "toggle" if toggle else "two engines", "order": order}
@@ -117,7 +108,7 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
     fast, slow = (res["A"], res["B"]) if res["A"]["median"] >= res["B"]["median"] else (res["B"], res["A"])
     res["ratio_b_over_a"] = res["B"]["median"] / res["A"]["median"]
     res["separated"] = slow["max"] < fast["min"]
-    res["w_exp_plane_bytes"] = int(quant.plane_bytes) if quant is not None else None
+    res["w_exp_plane_bytes"] = engines["A"].backend.memory_report().get("W_exp planes")
     if toggle:
         res["memory_bought_back_bytes"] = res["w_exp_plane_bytes"]    # what EXP=0 does not register
     return res

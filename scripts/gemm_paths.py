@@ -3,31 +3,30 @@
 
     python scripts/gemm_paths.py [-t 8,16,32,64,128,256,512] [-r 9]
 
-Times `QuantState.linear` on the 7B's layer shapes (q4_K attn_q/attn_k/
+Times the CUDA backend's linear (minfer/backend/cuda/gemm.py) on the 7B's layer shapes (q4_K attn_q/attn_k/
 ffn_gate, q6_K attn_v/ffn_down with their W_exp planes) at each token count,
 once with every GEMM forced onto MMQ and once onto the f16 path, interleaved
 rep by rep (CUDA events, medians), two ways: one eager call on an idle device
 (host time included: what a one-shot prompt pays) and one replay of the call
 captured in a CUDA graph (device time alone: what repeated shapes pay). Prints
 a table and, for each, the smallest T from which the f16 path wins for the
-layer as a whole: the basis of F16_GEMM_MIN_T.
+layer as a whole: the basis of F16_GEMM_MIN_T (minfer/backend/cuda/settings.py).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-
-from minfer import quants  # noqa: E402
-from minfer.gguf import TensorInfo  # noqa: E402
-from minfer.backend.cuda_quant import QuantState  # noqa: E402
+from minfer import quants
+from minfer.backend.cuda.gemm import Gemms
+from minfer.backend.cuda.settings import CudaSettings
+from minfer.backend.cuda.weights import WeightStore
+from minfer.gguf import TensorInfo
+from minfer.quantize import quantize
 
 # (name, type, n_out, n_in, per layer) of DeepSeek-R1-Distill-Qwen-7B
 SHAPES = (("blk.0.attn_q.weight", QT.Q4_K, 3584, 3584, 2),     # attn_q + attn_output
@@ -52,11 +51,13 @@ def main() -> int:
     a = ap.parse_args()
     ts = [int(t) for t in a.tokens.split(",")]
     rng = np.random.default_rng(0)
-    st = QuantState()
+    settings = CudaSettings.from_env()
+    store = WeightStore(settings)
+    st = Gemms(store, settings)
     ws = []
     for name, qt, n_out, n_in, n in SHAPES:
         x = (rng.standard_normal((n_out, n_in), dtype=np.float32) * 0.02)
-        ws.append((name, st.register(name, info(name, qt, n_out, n_in), quants.quantize(x, qt, search=False)), n))
+        ws.append((name, store.register(name, info(name, qt, n_out, n_in), quantize(x, qt, search=False)), n))
     xs = cp.asarray(rng.standard_normal((max(ts), 18944), dtype=np.float32))
 
     def eager_ms(w, T) -> float:
@@ -97,7 +98,7 @@ def main() -> int:
             t = {k: [] for k in layer}
             for rep in range(a.reps + 2):                     # 2 warm-ups, then A B A B ...
                 for eng, min_t in (("mmq", 1 << 30), ("f16", 2)):
-                    st.f16_min_t = min_t
+                    st.settings = settings.replace(f16_min_t=min_t)
                     e, g = eager_ms(w, T), graph_ms(w, T)
                     if rep >= 2:
                         t["e_" + eng].append(e)
@@ -111,7 +112,6 @@ def main() -> int:
         print(f"{T:>5} {'= layer':<12}{m['e_mmq']:11.3f}{m['e_f16']:8.3f}{m['e_f16'] / m['e_mmq']:8.2f}"
               f"{m['g_mmq']:12.3f}{m['g_f16']:8.3f}{m['g_f16'] / m['g_mmq']:8.2f}")
         wins.append((T, m["e_f16"] < m["e_mmq"], m["g_f16"] < m["g_mmq"]))
-    st.f16_min_t = 1 << 30
     for i, label in ((0, "eager"), (1, "graph (device time)")):
         first = next((T for T, *w in wins if all(w2[i] for T2, *w2 in wins if T2 >= T)), None)
         print(f"{label}: f16 path wins for the whole layer from T = {first}")

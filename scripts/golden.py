@@ -5,11 +5,11 @@
     python scripts/golden.py                        # re-run, compare byte for byte (exit 1 + diff)
     python scripts/golden.py --report FILE          # re-run, write streams + launch counters (tests)
 
-A synthetic qwen2 model (minfer.synth, fixed seed; the same arguments give the
-same bytes) is generated once into --model-dir, then each fixed prompt is
+A synthetic qwen2 model (minfer.synth.SMALL_MODEL, fixed seed; the same arguments
+give the same bytes) is generated once into --model-dir, then each fixed prompt is
 greedily decoded on the CUDA backend with EOS ignored. n_predict starts at
-N_PREDICT and grows by 16 until the text is at least MIN_CHARS characters
-(seed §4: the byte-identity gate is a 178-character stream).
+N_PREDICT and grows by 16 until the text is at least MIN_CHARS characters (the
+byte-identity check compares streams of at least 178 characters).
 Each file: {"model": synth params + seed, "prompt", "prompt_ids", "n_predict",
 "token_ids", "text"}.
 """
@@ -22,12 +22,10 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from minfer.synth import SMALL_MODEL, synth_model
 
+ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = ROOT / "tests" / "golden"
-SYNTH = {"n_layer": 3, "d_model": 512, "n_head": 4, "n_head_kv": 2, "d_ff": 1280,
-         "seed": 20261129, "arch": "qwen2"}
 PROMPTS = {
     "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "prose": "The quick brown fox jumps over the lazy dog. In the beginning",
@@ -37,20 +35,6 @@ PROMPTS = {
 N_PREDICT = 48
 MIN_CHARS = 178
 N_CTX = 512
-
-
-def synth_model(model_dir: Path, params: dict = SYNTH) -> Path:
-    """The synthetic model for `params`, generated once (same params, same bytes)."""
-    from minfer.synth import write_synthetic
-
-    p = dict(params)
-    name = "synth-{arch}-L{n_layer}-d{d_model}-h{n_head}-{n_head_kv}-f{d_ff}-s{seed}.gguf".format(**p)
-    path = Path(model_dir) / name
-    if not path.is_file():
-        tmp = path.with_suffix(".tmp")
-        write_synthetic(tmp, **p)
-        os.replace(tmp, path)
-    return path
 
 
 def greedy(engine, prompt_ids: list[int], n_predict: int) -> list[int]:
@@ -71,7 +55,7 @@ def make_stream(engine, prompt: str, n_predict: int | None = None) -> dict:
         if n_predict is not None or len(text) >= MIN_CHARS:
             break
         n += 16
-    return {"model": dict(SYNTH), "prompt": prompt, "prompt_ids": ids, "n_predict": n,
+    return {"model": dict(SMALL_MODEL), "prompt": prompt, "prompt_ids": ids, "n_predict": n,
             "token_ids": out, "text": text}
 
 
@@ -117,9 +101,7 @@ def main(argv=None) -> int:
     try:
         engine = Engine.load(synth_model(args.model_dir), backend=args.backend, n_ctx=N_CTX,
                              progress=False)
-        quant = getattr(engine.backend, "quant", None)
-        if quant is not None:
-            quant.reset_counters()
+        engine.backend.reset_counters()
         if args.update:
             args.out.mkdir(parents=True, exist_ok=True)
             for name, prompt in PROMPTS.items():
@@ -138,13 +120,13 @@ def main(argv=None) -> int:
         return 2
     if args.report:
         rep = {"streams": got,
-               "counters": dict(quant.counters()) if quant is not None else None,
-               "plane_bytes": int(getattr(quant, "plane_bytes", 0) or 0) if quant is not None else None}
+               "counters": engine.backend.counters(),
+               "plane_bytes": engine.backend.memory_report().get("W_exp planes")}
         args.report.write_text(json.dumps(rep, ensure_ascii=False), encoding="utf-8")
     bad = []
     for name, rec in golden.items():
-        if rec["model"] != SYNTH:
-            bad.append(f"{name}: made with model {rec['model']}, this script builds {SYNTH}")
+        if rec["model"] != SMALL_MODEL:
+            bad.append(f"{name}: made with model {rec['model']}, this script builds {SMALL_MODEL}")
         bad += compare(name, rec, got[name])
     for name in golden:
         print(f"{name}: {'OK' if not compare(name, golden[name], got[name]) else 'MISMATCH'} "

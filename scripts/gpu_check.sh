@@ -89,7 +89,7 @@ else
 fi
 
 # 6. short benchmark: prefill 512 and 3325 tokens, 32 decode steps, on the synthetic model
-SYNTH=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import golden; print(golden.synth_model('$MINFER_CACHE'))" 2>"$LOG/bench.log")
+SYNTH=$(python3 -c "from minfer.synth import synth_model; print(synth_model('$MINFER_CACHE'))" 2>"$LOG/bench.log")
 if [ -f minfer/bench.py ] && [ -n "$SYNTH" ]; then
     timeout 150 python3 -m minfer bench -m "$SYNTH" -p 512,3325 -r ${BENCH_REPS:-3} -n 32 >>"$LOG/bench.log" 2>&1
     rc=$?
@@ -102,18 +102,18 @@ fi
 #    the path the backend takes at head dim 128 (f16 KV cache, tensor-core flash attention)
 python3 - >>"$LOG/bench.log" 2>&1 <<'PY'
 import cupy as cp, numpy as np
-from minfer.backend import cuda_fast
+from minfer.backend.cuda.attention import attention_f16
 for T in (512, 3325):
     rng = np.random.default_rng(T)
     q = cp.asarray(rng.standard_normal((T, 28, 128), dtype=np.float32))
     k = cp.asarray(rng.standard_normal((T, 4, 128), dtype=np.float32))
     kc = cp.zeros((T, 4, 128), cp.float16); vc = cp.zeros_like(kc)
     y = cp.empty((T, 28 * 128), cp.float32)
-    cuda_fast.attention_f16(q, k, k, kc, vc, 0, out=y)          # warm-up (compile)
+    attention_f16(q, k, k, kc, vc, 0, out=y)          # warm-up (compile)
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     ms = []
     for _ in range(5):
-        e0.record(); cuda_fast.attention_f16(q, k, k, kc, vc, 0, out=y); e1.record(); e1.synchronize()
+        e0.record(); attention_f16(q, k, k, kc, vc, 0, out=y); e1.record(); e1.synchronize()
         ms.append(cp.cuda.get_elapsed_time(e0, e1))
     flop = 4 * 28 * 128 * T * (T + 1) / 2
     print(f"attention 7B-shape T={T}: median {np.median(ms):.3f} ms/layer "

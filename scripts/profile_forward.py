@@ -14,13 +14,10 @@ import argparse
 import cProfile
 import pstats
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from minfer.engine import Engine  # noqa: E402
+from minfer.engine import Engine
 
 
 def main() -> int:

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Event-timed micro-benchmarks of the f16 prefill ops at the 7B's shapes.
+
+    python scripts/bench_ops.py [-t 512,3325]
+
+Per weight of a DeepSeek-R1-Distill-Qwen-7B layer (d 3584, d_ff 18944, 28 query /
+4 KV heads of 128): the f16 dequantization (GB/s; q6_K also from a W_exp plane),
+the cuBLAS GEMM into f32 and f16 outputs (TFLOP/s), and the flash attention
+(TFLOP/s over the causal half), then the sum over 28 layers as an upper bound
+on the prefill rate before norms, RoPE, SwiGLU and the LM head. Medians of 20
+CUDA-event timings after 3 warm-ups; random bytes with finite scales.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from minfer.backend.cuda.attention import FA_HD, flash_attention
+from minfer.backend.cuda.cublas import gemm_f16
+from minfer.backend.cuda.f16 import dequant_f16
+from minfer.backend.cuda.nvrtc import K
+
+N_LAYER, N_HEAD, N_KV = 28, 28, 4
+LAYER = (("attn_q", QT.Q4_K, 3584, 3584), ("attn_k", QT.Q4_K, 512, 3584),
+         ("attn_v", QT.Q6_K, 512, 3584), ("attn_output", QT.Q4_K, 3584, 3584),
+         ("ffn_gate", QT.Q4_K, 18944, 3584), ("ffn_up", QT.Q4_K, 18944, 3584),
+         ("ffn_down", QT.Q6_K, 3584, 18944))
+
+
+def time_ms(cp, fn, reps: int = 20) -> float:
+    """Median milliseconds of fn() on the current stream (CUDA events, 3 warm-ups)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def dequant_bytes(qtype, n_out: int, n_in: int, w_exp: bool) -> int:
+    """Device bytes one dequant_f16 call reads + writes."""
+    n_sb = n_out * (n_in // K["QK_K"])
+    if qtype == QT.Q4_K:
+        read = n_sb * K["Q4K_BYTES"]
+    elif w_exp:
+        read = n_sb * (K["QK_K"] + 32)       # plane + the scale/d sector of each padded block
+    else:
+        read = n_sb * K["Q6K_PADDED"]
+    return read + 2 * n_out * n_in
+
+
+def random_weight(cp, qtype, n_out: int, n_in: int):
+    """Random device bytes of a (n_out, n_in) weight with finite scales (d = 0.01)."""
+    n_sb = n_out * (n_in // K["QK_K"])
+    stride, d_at = ((K["Q4K_BYTES"], (0, 2)) if qtype == QT.Q4_K else (K["Q6K_PADDED"], (208,)))
+    raw = cp.random.randint(0, 256, (n_sb, stride), dtype=cp.int32).astype(cp.uint8)
+    d = cp.asarray(np.frombuffer(np.float16(0.01).tobytes(), np.uint8))
+    for off in d_at:
+        raw[:, off:off + 2] = d
+    return raw.reshape(-1)
+
+
+def main() -> int:
+    import cupy as cp
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-t", "--tokens", default="512,3325")
+    tokens = [int(t) for t in ap.parse_args().tokens.split(",")]
+    w16 = cp.empty(18944 * 3584, cp.float16)                          # the largest weight, f16
+    print(f"{'op':<30}{'ms':>9}{'GB/s':>9}{'TFLOP/s':>9}")
+    deq_ms = {}
+    for name, qt, n_out, n_in in LAYER:
+        raw = random_weight(cp, qt, n_out, n_in)
+        planes = [None]
+        if qt == QT.Q6_K:
+            planes.append(cp.random.randint(-32, 32, n_out * n_in, dtype=cp.int32).astype(cp.int8))
+        for plane in planes:
+            ms = time_ms(cp, lambda: dequant_f16(raw, qt, n_out, n_in, w16, plane))
+            gbs = dequant_bytes(qt, n_out, n_in, plane is not None) / ms / 1e6
+            label = f"dequant {name}{' (W_exp)' if plane is not None else ''}"
+            print(f"{label:<30}{ms:9.3f}{gbs:9.0f}{'':>9}")
+            deq_ms.setdefault(name, ms)
+    for T in tokens:
+        x16 = cp.random.standard_normal((T, 18944)).astype(cp.float16)
+        layer_ms = sum(deq_ms.values())
+        for name, qt, n_out, n_in in LAYER:
+            xs = x16[:, :n_in].copy()
+            ws = w16[: n_out * n_in].reshape(n_out, n_in)
+            for dt in (cp.float32, cp.float16):
+                out = cp.empty((T, n_out), dt)
+                ms = time_ms(cp, lambda: gemm_f16(xs, ws, out))
+                if dt == cp.float32:
+                    layer_ms += ms
+                print(f"{f'gemm T={T} {name} ->{np.dtype(dt).name}':<30}{ms:9.3f}{'':>9}"
+                      f"{2 * T * n_out * n_in / ms / 1e9:9.1f}")
+        q16 = cp.random.standard_normal((T, N_HEAD, FA_HD)).astype(cp.float16)
+        kc = cp.random.standard_normal((T, N_KV, FA_HD)).astype(cp.float16)
+        vc = cp.random.standard_normal((T, N_KV, FA_HD)).astype(cp.float16)
+        o = cp.empty((T, N_HEAD * FA_HD), cp.float32)
+        ms = time_ms(cp, lambda: flash_attention(q16, kc, vc, 0, o))
+        flops = 4 * FA_HD * N_HEAD * T * (T + 1) / 2                 # QK^T and PV over the causal half
+        layer_ms += ms
+        print(f"{f'flash_attn T={T} 28/4 heads':<30}{ms:9.3f}{'':>9}{flops / ms / 1e9:9.1f}")
+        print(f"  -> {N_LAYER} layers x (dequant + gemm f32 + attention) = {N_LAYER * layer_ms:.1f} ms, "
+              f"{T / (N_LAYER * layer_ms / 1e3):,.0f} tok/s before norms, rope, swiglu and the LM head")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
