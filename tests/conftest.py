@@ -1,15 +1,41 @@
-"""Shared test fixtures: where the fixtures live, the real model, GPU skipping."""
+"""Shared test fixtures: repository paths, the real model, GPU skipping, the
+synthetic-model cache, and the tolerances of the GPU-vs-CPU comparisons.
+
+Test modules take these as fixture arguments; none imports this file.
+"""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures"
-HEADER_7B = ROOT / "models" / "deepseek-r1-distill-qwen-7b-q4_k_m.header.gguf"
 
+
+# --- paths ------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """tests/fixtures: llama.cpp's outputs and real weight slices."""
+    return ROOT / "tests" / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def header_7b() -> Path:
+    """The DeepSeek-R1-Distill-Qwen-7B Q4_K_M header in models/: metadata (vocabulary,
+    chat template) and tensor table, no tensor data (open it with header_only=True)."""
+    return ROOT / "models" / "deepseek-r1-distill-qwen-7b-q4_k_m.header.gguf"
+
+
+# --- GPU ----------------------------------------------------------------------------
 
 def _gpu_reason() -> str | None:
     """None if a CUDA device is usable through cupy, else why not."""
@@ -25,17 +51,25 @@ def _gpu_reason() -> str | None:
     return None
 
 
-GPU_SKIP_REASON = _gpu_reason()
+_GPU_SKIP_REASON = _gpu_reason()
 
 
 def pytest_collection_modifyitems(config, items):
-    if GPU_SKIP_REASON is None:
+    if _GPU_SKIP_REASON is None:
         return
-    skip = pytest.mark.skip(reason=f"GPU test: {GPU_SKIP_REASON}")
+    skip = pytest.mark.skip(reason=f"GPU test: {_GPU_SKIP_REASON}")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
+@pytest.fixture(scope="session")
+def gpu_skip_reason() -> str | None:
+    """None where a CUDA device is usable, else why not (`gpu` tests skip with it)."""
+    return _GPU_SKIP_REASON
+
+
+# --- the real model -------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def real_model_path() -> Path:
@@ -48,3 +82,122 @@ def real_model_path() -> Path:
         pytest.skip("real model tests disabled (MINFER_SKIP_MODEL_TESTS=1)")
     from minfer.pull import ensure_model
     return Path(ensure_model())
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_model_path):
+    """One CPU engine on the real model per test session (loading dequantizes
+    ~1.3 G weights)."""
+    from minfer.engine import Engine
+    t0 = time.perf_counter()
+    eng = Engine.load(str(real_model_path), backend="cpu", n_ctx=2048, progress=False)
+    print(f"\n[model] CPU engine load: {time.perf_counter() - t0:.1f} s")
+    return eng
+
+
+# --- synthetic models -------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory) -> Path:
+    """Where minfer.synth.synth_model caches its models: $MINFER_CACHE when set
+    (kept across runs and shared with scripts/golden.py), else one temporary
+    directory for the session, so each model is written once per session."""
+    d = os.environ.get("MINFER_CACHE")
+    return Path(d) if d else tmp_path_factory.mktemp("synth")
+
+
+# --- tolerances of the GPU-vs-CPU comparisons ---------------------------------------------
+#
+# Shared by the GPU-vs-CPU parity test (tests/gpu/test_parity.py) and the CPU check
+# of the golden streams (tests/test_golden_cpu.py).
+#
+# The bound is on ||logits_gpu - logits_cpu|| / ||logits_cpu|| per position, and it
+# depends on the arithmetic of the GEMM engines on the path. Model: every rounding
+# step adds an independent relative error to the values it touches; independent
+# errors add in quadrature, and with weights of std 1/sqrt(n_in) nothing damps or
+# amplifies them on the way to the logits. The bound is twice the estimate.
+#
+# int8 MMQ GEMM: each activation block of 32 is rounded to int8 with scale
+# max|x|/127, so each element moves by at most 1/254 of its block max, uniformly:
+# RMS max/(254*sqrt(3)) ~ max/440. For Gaussian-like blocks max/rms ~ 2.4, so each
+# such GEMM adds ~0.55% relative noise to its output (the f16 block scales add < 0.05%).
+INT8_GEMM_REL = 5.5e-3
+# f16 rounding (round to nearest even, unit roundoff u = 2^-11): a relative error
+# uniform in [-u, u], RMS u/sqrt(3) = 2.8e-4 per rounded value.
+F16_ROUND_REL = 2.0 ** -11 / np.sqrt(3.0)
+# f16 engine GEMM: both operands rounded to f16 once (the dequantized weight and the
+# activation), exact products, f32 sums: sqrt(2) roundings' worth.
+F16_GEMM_REL = np.sqrt(2.0) * F16_ROUND_REL
+# other f16 roundings per layer on the GPU path: q, k and v (the f16 KV cache and
+# the flash attention's q) and the probabilities P; the gate and up outputs of the
+# fused f16 FFN (its swiglu output is the down GEMM's operand, counted there)
+F16_ROUNDINGS_PER_LAYER = 6
+SAFETY = 2.0
+
+
+def _parity_bound(f16_gemms: int, int8_gemms: int, f16_roundings: int) -> float:
+    """The per-position relative logits error allowed for a forward whose path holds
+    these GEMMs (one f32-matvec LM head adds nothing) and extra f16 roundings."""
+    var = (f16_gemms * F16_GEMM_REL ** 2 + int8_gemms * INT8_GEMM_REL ** 2
+           + f16_roundings * F16_ROUND_REL ** 2)
+    return float(SAFETY * np.sqrt(var))
+
+
+# The int8 engine's bound for the 3-layer synthetic model: 7 * 3 + 1 (LM head) = 22
+# MMQ GEMMs on the path, sqrt(22) * 0.55% ~ 2.6%, twice that ~ 5e-2. It judges which
+# positions are decisive wherever the engine is not pinned (the golden streams).
+PARITY_REL = 5e-2
+
+# A position's top-1 is "decisive" when the CPU's top-1 - top-2 logit margin
+# exceeds TOP1_SIGMAS times the largest per-element error the bound allows on
+# average, bound * rms(logits row): with per-element errors of RMS
+# sigma <= bound * rms, the difference of two has RMS sqrt(2)*sigma, and
+# 6 sigma-units (4.2 of the difference) leave a flip probability < 1e-5 per position.
+TOP1_SIGMAS = 6.0
+
+
+def _decisive(logits: np.ndarray, bound: float = PARITY_REL) -> np.ndarray:
+    """logits (n, vocab) float -> bool (n,): where the top-1 must agree across backends
+    whose logits differ by at most `bound` (relative, per position)."""
+    top2 = np.partition(logits, -2, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    rms = np.sqrt(np.mean(np.square(logits, dtype=np.float64), axis=-1))
+    return margin > TOP1_SIGMAS * bound * rms
+
+
+@pytest.fixture(scope="session")
+def parity_rel() -> float:
+    """PARITY_REL: the int8 engine's per-position relative logits error (3-layer model)."""
+    return PARITY_REL
+
+
+@pytest.fixture(scope="session")
+def parity_bound():
+    """The function (f16_gemms, int8_gemms, f16_roundings) -> allowed relative error."""
+    return _parity_bound
+
+
+@pytest.fixture(scope="session")
+def decisive():
+    """The function (logits (n, vocab), bound=PARITY_REL) -> bool (n,): positions
+    whose top-1 must agree."""
+    return _decisive
+
+
+# --- the CUDA backend's weights and linears without a model ---------------------------------
+
+@pytest.fixture()
+def cuda_linears(monkeypatch):
+    """Factory: (**settings) -> (WeightStore, Gemms) of the CUDA backend with the
+    default CudaSettings changed by **settings (the environment is not read), and
+    the once-per-process plane-miss warning re-armed."""
+    from minfer.backend.cuda import weights
+    from minfer.backend.cuda.gemm import Gemms
+    from minfer.backend.cuda.settings import CudaSettings
+    monkeypatch.setattr(weights, "_warned_miss", False)
+
+    def make(**changes):
+        settings = CudaSettings(**changes)
+        store = weights.WeightStore(settings)
+        return store, Gemms(store, settings)
+    return make

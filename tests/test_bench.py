@@ -10,8 +10,6 @@ import pytest
 
 from minfer.synth import write_synthetic
 
-from conftest import ROOT
-
 TINY = dict(n_layer=1, d_model=256, n_head=2, n_head_kv=1, d_ff=512)
 
 
@@ -36,9 +34,10 @@ def test_bench_json_cpu(tiny_model, capsys):
         assert t["min"] <= t["median"] <= t["max"] and t["stdev"] >= 0 and t["min"] > 0
     m = r["memory"]
     # the CPU cache holds k and v, (n_layer, n_ctx, n_kv, hd) float32 each
-    assert m["kv_cache"] == 2 * TINY["n_layer"] * r["n_ctx"] * 1 * 128 * 4
-    assert m["host_peak_rss"] > 0
+    assert m["KV cache"] == 2 * TINY["n_layer"] * r["n_ctx"] * 1 * 128 * 4
+    assert m["host peak RSS"] > 0
     assert r["counters"] is None                # the CPU backend has no launch paths
+    assert r["memory_check"] == {}              # nor W_exp planes to check
 
 
 def test_bench_table_cpu(tiny_model, capsys):
@@ -58,12 +57,12 @@ def test_bench_bad_input(tiny_model, capsys, argv, word):
     assert err.startswith("minfer: error:") and word in err and err.count("\n") == 1
 
 
-def test_ab_cpu(tiny_model):
+def test_ab_cpu(tiny_model, repo_root):
     """Two engines (settings not switchable at run time), interleaved A B A B."""
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab.py"), "-m", str(tiny_model),
+    p = subprocess.run([sys.executable, str(repo_root / "scripts" / "ab.py"), "-m", str(tiny_model),
                         "--backend", "cpu", "-p", "9", "-r", "3", "--a", "MINFER_X=1",
                         "--b", "MINFER_X=0", "--json"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, timeout=300, cwd=repo_root)
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["mode"] == "two engines" and r["order"] == ["A", "B"] * 3
@@ -73,19 +72,21 @@ def test_ab_cpu(tiny_model):
 
 
 def test_format_report_device_rows():
-    """The CUDA-only rows (memory by kind, planes beside od x id, launch paths) render."""
+    """The CUDA-only rows (memory by kind, planes beside their expected od x id sum,
+    launch paths) render; a mismatch is shown as such."""
     from minfer.bench import format_report
     t = {"n_tokens": 4, "reps": 2, "seconds": [0.5, 0.25], "tok_s": [8.0, 16.0],
          "median": 12.0, "min": 8.0, "max": 16.0, "stdev": 5.66}
     r = {"model_name": "m.gguf", "size_bytes": 3 << 30, "params": 7_615_616_512, "backend": "cuda",
          "load_s": 1.5, "tests": {"pp4": t},
-         "memory": {"kv_cache": 1024, "by_kind": {"q4_K weights": 10, "q6_K padded": 20, "W_exp planes": 30},
-                    "w_exp_planes": 30, "w_exp_plane_sum_odid": 30, "pool_used": 5, "pool_total": 6,
-                    "device_used": 7, "device_total": 8},
+         "memory": {"q4_K weights": 10, "q6_K padded": 20, "W_exp planes": 30, "KV cache": 1024,
+                    "device used": 7},
+         "memory_check": {"W_exp planes expected": 30, "problem": None},
          "counters": {"q6k exp": 27, "q6k fallback!": 0}}
     out = format_report(r)
     assert "| m.gguf | 3.00 GiB | 7.62 B | cuda | pp4 | 12.00 ± 5.66 |" in out
     assert "| q4_K weights | 10 |" in out and "| q6_K padded | 20 |" in out
-    assert "| W_exp planes (allocated) | 30 | plane sum od×id = 30 |" in out
-    assert "| device used (memGetInfo) | 7 |" in out and "| q6k exp | 27 |" in out
-    assert "| W_exp planes | 30 |" not in out          # shown once, beside its od x id sum
+    assert "| W_exp planes | 30 | expected od×id over the tensor table = 30: OK |" in out
+    assert "| device used | 7 |" in out and "| q6k exp | 27 |" in out
+    r["memory_check"] = {"W_exp planes expected": 40, "problem": "planes hold 30, needs 40"}
+    assert "= 40: MISMATCH: planes hold 30, needs 40 |" in format_report(r)

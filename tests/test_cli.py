@@ -10,8 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, GPU_SKIP_REASON, HEADER_7B
-
 
 def minfer(*args, env=None, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "minfer", *map(str, args)], capture_output=True,
@@ -36,13 +34,13 @@ def test_missing_prompt_file(tmp_path):
     assert_one_line_error(minfer("generate", "-m", tmp_path / "x.gguf", "-f", tmp_path / "p.txt"), "p.txt")
 
 
-def test_malformed_gguf(tmp_path):
+def test_malformed_gguf(tmp_path, header_7b):
     rng = np.random.default_rng(4)
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"GGUF" + rng.integers(0, 256, 999, dtype=np.uint8).tobytes())
     assert_one_line_error(minfer("generate", "-m", garbage, "-p", "hi"), "garbage.gguf")
     truncated = tmp_path / "truncated.gguf"                # a real header cut inside the metadata
-    truncated.write_bytes(HEADER_7B.read_bytes()[:200_003])
+    truncated.write_bytes(header_7b.read_bytes()[:200_003])
     assert_one_line_error(minfer("tokenize", "-m", truncated, "-p", "hi"), "truncated.gguf")
     text = tmp_path / "notes.gguf"
     text.write_text("this is not a model\n")
@@ -84,16 +82,22 @@ def test_unknown_backend(real_model_path):
                           "unknown backend 'tpu'")
 
 
+@pytest.fixture(scope="session")
+def no_gpu(gpu_skip_reason):
+    # session scope and listed before real_model_path: skips before the model is pulled
+    if gpu_skip_reason is None:
+        pytest.skip("a GPU is present: CUDA is available here")
+
+
 @pytest.mark.model
-@pytest.mark.skipif(GPU_SKIP_REASON is None, reason="a GPU is present: CUDA is available here")
-def test_cuda_unavailable(real_model_path):
+def test_cuda_unavailable(no_gpu, real_model_path):
     assert_one_line_error(minfer("generate", "-m", real_model_path, "-p", "hi", "--backend", "cuda"),
                           "CUDA backend unavailable")
 
 
 @pytest.mark.model
-def test_tokenize_matches_llama_tokenize(real_model_path, tmp_path):
-    cases = json.loads((FIXTURES / "tokenizer_qwen2.5-coder-1.5b.json").read_text())
+def test_tokenize_matches_llama_tokenize(real_model_path, fixtures_dir, tmp_path):
+    cases = json.loads((fixtures_dir / "tokenizer_qwen2.5-coder-1.5b.json").read_text())
     case = next(c for c in cases if "<|im_start|>" in c["text"])     # the two modes differ here
     assert case["ids_parse_special"] != case["ids_no_parse_special"]
     f = tmp_path / "text.txt"
@@ -106,10 +110,10 @@ def test_tokenize_matches_llama_tokenize(real_model_path, tmp_path):
 
 
 @pytest.mark.model
-def test_generate_streams_only_the_text(real_model_path):
+def test_generate_streams_only_the_text(real_model_path, fixtures_dir):
     """The default model (no -m: ensure_model), 6 tokens: stdout is exactly the text,
     a prefix of llama.cpp's greedy output; the tokens/s report goes to stderr."""
-    case = next(c for c in json.loads((FIXTURES / "greedy_qwen2.5-coder-1.5b.json").read_text())
+    case = next(c for c in json.loads((fixtures_dir / "greedy_qwen2.5-coder-1.5b.json").read_text())
                 if c["prompt"] == "The capital of France is")
     r = minfer("generate", "-p", case["prompt"], "-n", "6", "--ignore-eos", "-q")
     assert r.returncode == 0, r.stderr

@@ -5,15 +5,14 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from conftest import HEADER_7B
 from minfer.config import ModelConfig
 from minfer.errors import MinferError
 from minfer.gguf import open_gguf
 
 
-def test_7b_header_config():
+def test_7b_header_config(header_7b):
     # expected values: models/README.md (the DeepSeek-R1-Distill-Qwen-7B card)
-    cfg = ModelConfig.from_gguf(open_gguf(HEADER_7B, header_only=True))
+    cfg = ModelConfig.from_gguf(open_gguf(header_7b, header_only=True))
     assert cfg.arch == "qwen2"
     assert (cfg.n_layer, cfg.d_model, cfg.d_ff) == (28, 3584, 18944)
     assert (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_rep) == (28, 4, 128, 7)

@@ -12,7 +12,6 @@ from gguf import (GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFReader
                   GGUFWriter, Keys)
 from gguf.quants import dequantize, quantize
 
-from conftest import HEADER_7B
 from minfer.gguf import GGUFError, TensorInfo, open_gguf
 
 Q = GGMLQuantizationType
@@ -399,12 +398,12 @@ def test_shallow_nested_arrays_read(tmp_path):
 
 # --- the 7B header and the real model --------------------------------------------------
 
-def test_7b_header_only():
-    gf = open_gguf(HEADER_7B, header_only=True)
+def test_7b_header_only(header_7b):
+    gf = open_gguf(header_7b, header_only=True)
     assert len(gf.tensors) == 339
     assert Counter(t.qtype for t in gf.tensors.values()) == {Q.Q4_K: 169, Q.Q6_K: 29, Q.F32: 141}
     # the header file is the 7B file's first bytes, up to where tensor data starts
-    assert gf.data_offset == HEADER_7B.stat().st_size
+    assert gf.data_offset == header_7b.stat().st_size
     assert gf.tensors["output.weight"].shape == (152064, 3584)
     assert gf.tensors["output.weight"].qtype == Q.Q6_K
     assert gf.tensors["blk.3.attn_v.weight"].shape == (512, 3584)
@@ -419,7 +418,7 @@ def test_7b_header_only():
     with pytest.raises(GGUFError, match="header_only"):
         gf.raw("output.weight")
     # without header_only the missing data is an error
-    expect_error(HEADER_7B, "outside")
+    expect_error(header_7b, "outside")
 
 
 @pytest.mark.model

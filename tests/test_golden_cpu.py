@@ -1,41 +1,36 @@
 """The golden streams (made on the GPU) checked by the CPU reference, teacher-forced:
 fed prompt_ids + token_ids, the CPU must pick the golden token at every position
-where its top-1/top-2 margin is decisive (tests/bounds.py, the parity bound).
+where its top-1/top-2 margin is decisive (the `decisive` fixture, the parity bound).
 Also: the stored text is the tokenizer's decoding of the stored ids, and each
-stream is at least 178 characters (seed §4)."""
+stream is at least 178 characters (the length scripts/golden.py grows it to)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bounds import decisive  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.json"))
+# the parametrization needs the list at collection time, before any fixture
+GOLDEN = sorted((Path(__file__).resolve().parent / "golden").glob("*.json"))
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine(synth_dir):
     if not GOLDEN:
         pytest.skip("no golden files in tests/golden yet (made on the GPU: scripts/golden.py --update)")
-    spec = importlib.util.spec_from_file_location("golden_script", ROOT / "scripts" / "golden.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     from minfer.engine import Engine
-    params = json.loads(GOLDEN[0].read_text())["model"]
-    d = Path(os.environ.get("MINFER_CACHE") or tmp_path_factory.mktemp("synth"))
-    return Engine.load(mod.synth_model(d, params), backend="cpu", n_ctx=mod.N_CTX, progress=False)
+    from minfer.synth import synth_model
+
+    recs = [json.loads(p.read_text(encoding="utf-8")) for p in GOLDEN]
+    # the engine's default context only sizes new_cache(); the longest stream fits
+    n_ctx = max(len(r["prompt_ids"]) + r["n_predict"] for r in recs)
+    return Engine.load(synth_model(synth_dir, recs[0]["model"]), backend="cpu", n_ctx=n_ctx,
+                       progress=False)
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])
-def test_teacher_forced(engine, path):
+def test_teacher_forced(engine, decisive, path):
     rec = json.loads(path.read_text(encoding="utf-8"))
     prompt, gen = rec["prompt_ids"], rec["token_ids"]
     assert len(gen) == rec["n_predict"]

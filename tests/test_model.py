@@ -3,56 +3,41 @@ llama.cpp's greedy output (tests/fixtures/greedy_qwen2.5-coder-1.5b.json).
 
 llama.cpp quantizes activations to 8 bits in its CPU matmuls and we compute in
 float32, so near-ties may flip: hence agreement rates, not identity. The model is
-loaded once per session (`real_engine`, shared with test_perplexity.py).
+loaded once per session (the `real_engine` fixture, shared with test_perplexity.py).
 """
 from __future__ import annotations
 
-import functools
 import json
-import time
 
 import numpy as np
 import pytest
 
-from conftest import FIXTURES
 
-GREEDY = json.loads((FIXTURES / "greedy_qwen2.5-coder-1.5b.json").read_text())
-
-
-@functools.lru_cache(maxsize=1)
-def real_engine(path: str):
-    """One CPU engine per test session (loading dequantizes ~1.3 G weights)."""
-    from minfer.engine import Engine
-    t0 = time.perf_counter()
-    eng = Engine.load(path, backend="cpu", n_ctx=2048, progress=False)
-    print(f"\n[model] CPU engine load: {time.perf_counter() - t0:.1f} s")
-    return eng
-
-
-@pytest.fixture(scope="session")
-def engine(real_model_path):
-    return real_engine(str(real_model_path))
+@pytest.fixture(scope="module")
+def greedy_cases(fixtures_dir) -> list[dict]:
+    return json.loads((fixtures_dir / "greedy_qwen2.5-coder-1.5b.json").read_text())
 
 
 @pytest.mark.model
-def test_prompt_ids_match_llama_cpp(engine):
-    for case in GREEDY:
-        assert engine.tokenizer.encode(case["prompt"], parse_special=True) == case["prompt_ids"]
+def test_prompt_ids_match_llama_cpp(real_engine, greedy_cases):
+    for case in greedy_cases:
+        assert real_engine.tokenizer.encode(case["prompt"], parse_special=True) == case["prompt_ids"]
 
 
 @pytest.mark.model
-def test_teacher_forced_argmax_agrees_with_llama_cpp(engine):
+def test_teacher_forced_argmax_agrees_with_llama_cpp(real_engine, greedy_cases):
     """prompt_ids + tokens of greedy_text in one forward: the argmax at each position
     must be llama.cpp's next token at >= 90% of positions."""
-    tok = engine.tokenizer
+    tok = real_engine.tokenizer
     agree = total = 0
     per_prompt = []
-    for case in GREEDY:
+    for case in greedy_cases:
         gen = tok.encode(case["greedy_text"], parse_special=False, add_bos=False)
         assert tok.decode(gen) == case["greedy_text"]
         ids = np.array(case["prompt_ids"] + gen, np.int32)
         P = len(case["prompt_ids"])
-        logits = engine.model.forward(ids, 0, engine.new_cache(len(ids)), logits_from=P - 1)
+        cache = real_engine.new_cache(len(ids))
+        logits = real_engine.model.forward(ids, 0, cache, logits_from=P - 1)
         pred = logits[:-1].argmax(axis=-1)                 # predictions for positions P..end
         hits = int((pred == np.array(gen)).sum())
         agree, total = agree + hits, total + len(gen)
@@ -64,21 +49,21 @@ def test_teacher_forced_argmax_agrees_with_llama_cpp(engine):
 
 
 @pytest.mark.model
-def test_free_running_greedy_agrees_with_llama_cpp(engine):
+def test_free_running_greedy_agrees_with_llama_cpp(real_engine, greedy_cases):
     """16 greedy tokens from each prompt (prefill + 15 decode steps): the text must be
     a prefix of llama.cpp's greedy text for at least 5 of the 6 prompts."""
     from minfer.generate import GenerationStats, generate
 
     matches = []
     stats = GenerationStats()
-    for case in GREEDY:
+    for case in greedy_cases:
         pieces: list[str] = []
         stats = GenerationStats()
-        ids = list(generate(engine, case["prompt_ids"], 16, ignore_eos=True,
+        ids = list(generate(real_engine, case["prompt_ids"], 16, ignore_eos=True,
                             on_text=pieces.append, stats=stats))
         assert len(ids) == 16
         text = "".join(pieces)
-        assert text == engine.tokenizer.decode(ids)        # streaming == one-shot decoding
+        assert text == real_engine.tokenizer.decode(ids)   # streaming == one-shot decoding
         ok = case["greedy_text"].startswith(text)
         matches.append(ok)
         if not ok:
@@ -90,13 +75,13 @@ def test_free_running_greedy_agrees_with_llama_cpp(engine):
 
 
 @pytest.mark.model
-def test_chat_template_renders_the_fixture_chat_prompt(real_model_path):
+def test_chat_template_renders_the_fixture_chat_prompt(real_model_path, greedy_cases):
     """The GGUF's own template (jinja2 sandbox) around a system + user message gives
     exactly the chat-form prompt the llama.cpp fixture was generated from."""
     from minfer.chat import apply_chat_template
     from minfer.engine import ModelFile
 
-    case = next(c for c in GREEDY if c["prompt"].startswith("<|im_start|>"))
+    case = next(c for c in greedy_cases if c["prompt"].startswith("<|im_start|>"))
     tok = ModelFile.open(real_model_path).tokenizer
     text = apply_chat_template(tok.chat_template, [
         {"role": "system", "content": "You are a helpful assistant."},

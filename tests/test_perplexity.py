@@ -1,5 +1,6 @@
 """Perplexity by llama.cpp's method on the real model vs llama.cpp's own figures
-(fixtures README: n_ctx 512 on perplexity_gpl3.txt -> 14 chunks, PPL 1.7601)."""
+(at n_ctx 512 on tests/fixtures/perplexity_gpl3.txt llama.cpp reports 14 chunks,
+PPL 1.7601 and the running values below)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,6 @@ import time
 import numpy as np
 import pytest
 
-from conftest import FIXTURES
 from minfer.perplexity import token_nll
 
 LLAMA_CPP_PPL = 1.7601
@@ -26,12 +26,11 @@ def test_token_nll_is_the_log_softmax():
 
 
 @pytest.mark.model
-def test_perplexity_matches_llama_cpp(real_model_path):
-    from test_model import real_engine
+def test_perplexity_matches_llama_cpp(real_engine, fixtures_dir):
     from minfer.perplexity import perplexity
 
-    engine = real_engine(str(real_model_path))
-    text = (FIXTURES / "perplexity_gpl3.txt").read_text(encoding="utf-8")
+    engine = real_engine
+    text = (fixtures_dir / "perplexity_gpl3.txt").read_text(encoding="utf-8")
     t0 = time.perf_counter()
     res = perplexity(engine, text, n_ctx=512, progress=False)
     dt = time.perf_counter() - t0

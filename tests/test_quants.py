@@ -1,7 +1,9 @@
-"""minfer.quants against independent truth: gguf.quants.dequantize (random blocks
-and the real model's tensors), error bounds of the quantizers, and the seed's
-W_exp byte-exactness test, host half (seed/000 §4): an independent scalar mirror
-written from the q6_K format vs expand_q6k_dense(pad_q6k(raw))."""
+"""minfer.quants and minfer.quantize against independent truth:
+gguf.quants.dequantize (random blocks and the real model's tensors), error bounds
+of the quantizers, and the host half of the W_exp byte-exactness check: an
+independent scalar mirror written from the q6_K format vs
+expand_q6k_dense(pad_q6k(raw)) of minfer/backend/cuda/q6k_layout.py (the GPU
+tests compare the device plane with both)."""
 from __future__ import annotations
 
 import gguf
@@ -10,7 +12,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from minfer import quants
+from minfer.backend.cuda.q6k_layout import Q6K_PADDED, expand_q6k_dense, pad_q6k
 from minfer.errors import MinferError
+from minfer.quantize import quantize
 
 ALL = sorted(quants.SUPPORTED, key=lambda t: t.name)
 
@@ -95,13 +99,13 @@ def test_bad_input_is_a_minfer_error():
     with pytest.raises(MinferError, match="unsupported tensor type Q2_K"):
         quants.dequantize_rows(raw, QT.Q2_K, 256)
     with pytest.raises(MinferError, match="no quantizer for Q5_K"):
-        quants.quantize(np.ones((1, 256), np.float32), QT.Q5_K)
+        quantize(np.ones((1, 256), np.float32), QT.Q5_K)
     with pytest.raises(MinferError, match="NaN or Inf"):
-        quants.quantize(np.full((1, 256), np.nan, np.float32), QT.Q4_K)
+        quantize(np.full((1, 256), np.nan, np.float32), QT.Q4_K)
     with pytest.raises(MinferError, match="exceeds the f16 range"):
-        quants.quantize(np.full((2, 3), 1e5, np.float32), QT.F16)
+        quantize(np.full((2, 3), 1e5, np.float32), QT.F16)
     with pytest.raises(MinferError, match="multiple of 256"):
-        quants.expand_q6k_dense(np.zeros(224, np.uint8), 1, 200)
+        expand_q6k_dense(np.zeros(224, np.uint8), 1, 200)
 
 
 # --------------------------------------------------------------------------- #
@@ -155,7 +159,7 @@ def test_quantize_error_bound_and_round_trip(qtype, search):
     for n_rows, n_blocks in [(1, 1), (11, 3), (29, 2)]:
         n_cols = bsz * n_blocks * (8 if bsz == 32 else 1)
         x = (rng.standard_normal((n_rows, n_cols)) * rng.uniform(0.01, 3.0)).astype(np.float32)
-        q = quants.quantize(x, qtype, search=search)
+        q = quantize(x, qtype, search=search)
         assert q.dtype == np.uint8 and q.shape == (n_rows, n_cols // bsz * tsz)
         ref = np.asarray(gguf.quants.dequantize(q, qtype), np.float32).reshape(n_rows, n_cols)
         assert np.array_equal(bits(ref), bits(quants.dequantize_rows(q, qtype, n_cols)))
@@ -169,7 +173,7 @@ def test_quantize_search_not_worse_than_fast():
     for qtype in (QT.Q4_K, QT.Q6_K):
         err = {}
         for search in (True, False):
-            y = gguf.quants.dequantize(quants.quantize(x, qtype, search=search), qtype).reshape(x.shape)
+            y = gguf.quants.dequantize(quantize(x, qtype, search=search), qtype).reshape(x.shape)
             err[search] = np.mean((y - x) ** 2)
         assert err[True] <= err[False], qtype.name
 
@@ -188,17 +192,17 @@ def test_quantize_irregular_data():
     bound = {QT.Q4_K: 0.1, QT.Q6_K: 0.03, QT.Q8_0: 0.008, QT.F16: 0.001, QT.F32: 0.0}
     row_max = np.maximum(np.abs(x).max(axis=1, keepdims=True), np.float32(1e-30))
     for qtype, search in [(t, s) for t in bound for s in (True, False)]:
-        q = quants.quantize(x, qtype, search=search)
+        q = quantize(x, qtype, search=search)
         y = np.asarray(gguf.quants.dequantize(q, qtype), np.float32).reshape(x.shape)
         assert np.array_equal(bits(y), bits(quants.dequantize_rows(q, qtype, 512)))
         assert np.isfinite(y).all()
         assert not y[0].any(), qtype.name                       # zeros stay zeros
         assert np.max(np.abs(y - x) / row_max) <= bound[qtype], (qtype.name, search)
-    assert np.array_equal(quants.quantize(x, QT.F32).view(np.float32), x)
+    assert np.array_equal(quantize(x, QT.F32).view(np.float32), x)
 
 
 # --------------------------------------------------------------------------- #
-# (4) W_exp, host half of the seed's three-way byte-exactness test             #
+# (4) W_exp, host half of the three-way byte-exactness check                  #
 # --------------------------------------------------------------------------- #
 
 def scalar_mirror(raw: bytes, od: int, id: int) -> list[int]:
@@ -228,19 +232,19 @@ def scalar_mirror(raw: bytes, od: int, id: int) -> list[int]:
 
 
 def check_w_exp(raw: np.ndarray, od: int, id: int) -> None:
-    padded = quants.pad_q6k(raw)
+    padded = pad_q6k(raw)
     nb = id // 256
-    assert padded.shape == (od, nb * quants.Q6K_PADDED)
-    pb = padded.reshape(od, nb, quants.Q6K_PADDED)
+    assert padded.shape == (od, nb * Q6K_PADDED)
+    pb = padded.reshape(od, nb, Q6K_PADDED)
     assert np.array_equal(pb[:, :, :quants.Q6K_BLOCK], raw.reshape(od, nb, quants.Q6K_BLOCK))
     assert not pb[:, :, quants.Q6K_BLOCK:].any(), "padding bytes must be zero"
-    host = quants.expand_q6k_dense(padded, od, id)
+    host = expand_q6k_dense(padded, od, id)
     assert host.dtype == np.int8 and host.shape == (od, id)
     want = np.array(scalar_mirror(raw.tobytes(), od, id), dtype=np.int8).reshape(od, id)
     mismatches = int(np.count_nonzero(host != want))
     assert mismatches == 0, f"expand_q6k_dense vs mirror ({od}x{id}): {mismatches} mismatches"
     # flat input is the same plane
-    assert np.array_equal(quants.expand_q6k_dense(padded.reshape(-1), od, id), host)
+    assert np.array_equal(expand_q6k_dense(padded.reshape(-1), od, id), host)
 
 
 @pytest.mark.parametrize("od,id", [(64, 256), (40, 512), (24, 768)])
@@ -266,7 +270,7 @@ def test_w_exp_times_scales_is_gguf_dequant(od, id):
     # second, independent relation: W_exp * d * scale[e // 16] == gguf's dequantization
     rng = np.random.default_rng(od + id)
     raw = random_rows(rng, QT.Q6_K, od, id // 256)
-    w_exp = quants.expand_q6k_dense(quants.pad_q6k(raw), od, id).reshape(-1, 16, 16)
+    w_exp = expand_q6k_dense(pad_q6k(raw), od, id).reshape(-1, 16, 16)
     blocks = raw.reshape(-1, 210)
     d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)            # (nb, 1)
     sc = blocks[:, 192:208].view(np.int8).astype(np.float32)                     # (nb, 16)

@@ -1,8 +1,8 @@
 """Synthetic models and the 7B twin: layout, determinism, valid quant blocks.
 
 Independent truths: the 7B header's own tensor table (read by minfer.gguf),
-gguf.quants.dequantize for the blocks, and the spec's type table written out
-below (not taken from minfer.synth).
+gguf.quants.dequantize for the blocks, and the table of expected types written
+out below (not taken from minfer.synth).
 """
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from minfer.gguf import open_gguf
 from minfer.synth import draw_rows, header_7b_path, tensor_bytes, write_synthetic
 
-from conftest import HEADER_7B
-
-# the task's type table for the small model
+# the type each tensor of the small model must have
 SPEC_TYPES = {
     "token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K, "output_norm.weight": Q.F32,
     "attn_norm.weight": Q.F32, "ffn_norm.weight": Q.F32,
@@ -45,8 +43,8 @@ def sha256(p) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
 
 
-def test_header_found():
-    assert header_7b_path().resolve() == HEADER_7B.resolve()
+def test_header_found(header_7b):
+    assert header_7b_path().resolve() == header_7b.resolve()
 
 
 def test_write_synthetic_deterministic(synth_pair):
@@ -58,9 +56,9 @@ def test_write_synthetic_deterministic(synth_pair):
     assert not np.array_equal(one, tensor_bytes("blk.0.attn_q.weight", (256, 256), Q.Q4_K, seed=8))
 
 
-def test_write_synthetic_layout(synth_pair):
+def test_write_synthetic_layout(synth_pair, header_7b):
     gf = open_gguf(str(synth_pair[0]))
-    hdr = open_gguf(str(HEADER_7B), header_only=True)
+    hdr = open_gguf(str(header_7b), header_only=True)
     # the real model's names: the 7B's globals and its blk.0..blk.2 tensors
     want = {n for n in hdr.tensors if not n.startswith("blk.") or int(n.split(".")[1]) < GEOM["n_layer"]}
     assert set(gf.tensors) == want
@@ -117,6 +115,19 @@ def test_synthetic_forward_cpu(synth_pair):
     assert len(argmaxes) > 10
 
 
+def test_synth_model_is_written_once(tmp_path):
+    """synth_model names the file by every parameter and reuses it: a second call
+    does not write again."""
+    from minfer.synth import synth_model
+    params = dict(n_layer=1, d_model=256, n_head=2, n_head_kv=1, d_ff=512, seed=5, arch="qwen2")
+    path = synth_model(tmp_path, params)
+    assert path.name == "synth-qwen2-L1-d256-h2-1-f512-s5.gguf"
+    assert open_gguf(str(path)).get("qwen2.block_count") == 1
+    stamp = path.stat().st_mtime_ns
+    assert synth_model(tmp_path, params) == path and path.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]          # no temporary left
+
+
 def test_draw_rows_chunking_invariant():
     """Any block-aligned split of a tensor draws the same values (parallel twin)."""
     shape = (3000, 512)                         # 2048 rows per draw block
@@ -130,9 +141,9 @@ def test_draw_rows_chunking_invariant():
 
 @pytest.mark.parametrize("name", ["blk.3.attn_k.weight", "blk.3.attn_v.weight",
                                   "blk.3.attn_v.bias", "blk.3.attn_norm.weight"])
-def test_tensor_bytes_real_shapes(name):
+def test_tensor_bytes_real_shapes(name, header_7b):
     """Fill a few 7B-shaped tensors: valid blocks that dequantize (gguf) close to the draw."""
-    hdr = open_gguf(str(HEADER_7B), header_only=True)
+    hdr = open_gguf(str(header_7b), header_only=True)
     t = hdr.tensors[name]
     raw = tensor_bytes(name, t.shape, t.qtype, seed=1)
     assert raw.shape == (t.n_rows, t.row_bytes) and raw.nbytes == t.nbytes
@@ -150,18 +161,18 @@ TWIN_FILLED = ["blk.5.ffn_down.weight",      # q6_K 3584x18944: several row chun
 
 
 @pytest.fixture(scope="module")
-def twin_partial(tmp_path_factory):
+def twin_partial(tmp_path_factory, header_7b):
     from minfer.twin import make_twin
     out = tmp_path_factory.mktemp("twin") / "twin.gguf"
-    return make_twin(HEADER_7B, out, seed=3, workers=2, tensors=TWIN_FILLED, progress=False)
+    return make_twin(header_7b, out, seed=3, workers=2, tensors=TWIN_FILLED, progress=False)
 
 
-def test_twin_layout(twin_partial):
+def test_twin_layout(twin_partial, header_7b):
     """The twin is the header, byte for byte, then the data: same table, same size."""
-    hdr = open_gguf(str(HEADER_7B), header_only=True)
+    hdr = open_gguf(str(header_7b), header_only=True)
     tw = open_gguf(str(twin_partial))
     assert twin_partial.stat().st_size == 4_683_073_248            # the real model's size (models/README.md)
-    head = HEADER_7B.read_bytes()
+    head = header_7b.read_bytes()
     with open(twin_partial, "rb") as f:
         assert f.read(len(head)) == head
     assert list(tw.metadata.items()) == list(hdr.metadata.items())
@@ -183,14 +194,14 @@ def test_twin_data(twin_partial):
     assert not np.asarray(tw.raw("blk.6.ffn_down.weight")[:4]).any()      # not filled: zero
 
 
-def test_twin_verify_catches_corruption(twin_partial, tmp_path):
+def test_twin_verify_catches_corruption(twin_partial, header_7b, tmp_path):
     from minfer.errors import MinferError
     from minfer.twin import verify_twin
-    verify_twin(twin_partial, HEADER_7B, seed=3, filled=TWIN_FILLED)
+    verify_twin(twin_partial, header_7b, seed=3, filled=TWIN_FILLED)
     with pytest.raises(MinferError):          # wrong seed: the rows do not match their draw
-        verify_twin(twin_partial, HEADER_7B, seed=4, filled=TWIN_FILLED, n_rows=len(TWIN_FILLED))
+        verify_twin(twin_partial, header_7b, seed=4, filled=TWIN_FILLED, n_rows=len(TWIN_FILLED))
     with pytest.raises(MinferError):          # a tensor claimed filled but zero
-        verify_twin(twin_partial, HEADER_7B, seed=3, filled=TWIN_FILLED + ["blk.0.attn_q.weight"],
+        verify_twin(twin_partial, header_7b, seed=3, filled=TWIN_FILLED + ["blk.0.attn_q.weight"],
                     n_rows=len(TWIN_FILLED) + 1)
 
 

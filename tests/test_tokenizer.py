@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from gguf import Keys, TokenType
@@ -12,9 +13,9 @@ from minfer.errors import MinferError
 from minfer.gguf import open_gguf
 from minfer.tokenizer import Tokenizer
 
-from conftest import FIXTURES, HEADER_7B
-
 K = Keys.Tokenizer
+# the parametrizations need the fixture files at collection time, before any fixture
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 QWEN_FIXTURE = json.loads((FIXTURES / "tokenizer_qwen2.5-coder-1.5b.json").read_text(encoding="utf-8"))
 DEEPSEEK_FIXTURE = json.loads((FIXTURES / "tokenizer_deepseek-r1-distill-qwen-7b.json").read_text(encoding="utf-8"))
@@ -44,14 +45,14 @@ def qwen_tok(real_model_path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def deepseek_meta() -> dict:
-    with open_gguf(HEADER_7B, header_only=True) as gf:
+def deepseek_meta(header_7b) -> dict:
+    with open_gguf(header_7b, header_only=True) as gf:
         return dict(gf.metadata)
 
 
 @pytest.fixture(scope="module")
-def deepseek_tok(deepseek_meta) -> Tokenizer:
-    return Tokenizer.from_metadata(deepseek_meta, path=str(HEADER_7B))
+def deepseek_tok(deepseek_meta, header_7b) -> Tokenizer:
+    return Tokenizer.from_metadata(deepseek_meta, path=str(header_7b))
 
 
 # ---- fixtures: exact ids, both modes, every text --------------------------------------------

@@ -1,4 +1,4 @@
-"""The fast prefill path (minfer/backend/cuda_fast.py): f16 dequantization, cuBLAS
+"""The f16 prefill path (minfer/backend/cuda/{f16,cublas,attention}.py): f16 dequantization, cuBLAS
 GEMM, tensor-core flash attention. GPU only (skipped without cupy / a device).
 
 Truth: gguf.quants (independent of minfer) for the dequantizers, float64 NumPy on
@@ -14,6 +14,17 @@ import pytest
 from gguf import GGMLQuantizationType as QT, quants as gq
 
 pytestmark = pytest.mark.gpu
+
+
+def _fast():
+    """The f16 path's wrappers under test, by name."""
+    from types import SimpleNamespace
+    from minfer.backend.cuda import attention, cublas, f16
+    return SimpleNamespace(dequant_f16=f16.dequant_f16, cast_f16=f16.cast_f16,
+                           linear_f16=f16.linear_f16, gemm_f16=cublas.gemm_f16,
+                           flash_attention=attention.flash_attention,
+                           attention_f16=attention.attention_f16)
+
 
 QK_K = 256
 
@@ -58,7 +69,7 @@ def _assert_bits_equal(got16, want16):
 @pytest.mark.parametrize("n_out,n_in", [(1, 256), (37, 768), (129, 1280)])
 def test_dequant_q4k_random_blocks(n_out, n_in):
     import cupy as cp
-    from minfer.backend import cuda_fast
+    cuda_fast = _fast()
 
     rng = np.random.default_rng(n_out * 7 + n_in)
     raw = _random_q4k(rng, n_out, n_in)
@@ -72,12 +83,12 @@ def test_dequant_q4k_random_blocks(n_out, n_in):
 
 def test_dequant_q4k_quantized_weights():
     import cupy as cp
-    from minfer import quants
-    from minfer.backend import cuda_fast
+    from minfer.quantize import quantize
+    cuda_fast = _fast()
 
     rng = np.random.default_rng(4)
     x = (rng.standard_normal((96, 1536)) * 0.02).astype(np.float32)
-    raw = quants.quantize(x, QT.Q4_K)
+    raw = quantize(x, QT.Q4_K)
     want = gq.dequantize(raw, QT.Q4_K).astype(np.float16)
     w16 = cuda_fast.dequant_f16(cp.asarray(raw), QT.Q4_K, 96, 1536, out=_nan16(cp, 96 * 1536))
     _assert_bits_equal(w16.get(), want)
@@ -86,13 +97,13 @@ def test_dequant_q4k_quantized_weights():
 @pytest.mark.parametrize("n_out,n_in", [(1, 256), (29, 512), (133, 1792)])
 def test_dequant_q6k_padded(n_out, n_in):
     import cupy as cp
-    from minfer import quants
-    from minfer.backend import cuda_fast
+    from minfer.backend.cuda.q6k_layout import pad_q6k
+    cuda_fast = _fast()
 
     rng = np.random.default_rng(n_out * 11 + n_in)
     raw = _random_q6k(rng, n_out, n_in)
     want = gq.dequantize(raw, QT.Q6_K).astype(np.float16)
-    padded = quants.pad_q6k(raw)                                        # (n_out, nb*224)
+    padded = pad_q6k(raw)                                               # (n_out, nb*224)
     w16 = cuda_fast.dequant_f16(cp.asarray(padded), QT.Q6_K, n_out, n_in,
                                 out=_nan16(cp, n_out * n_in))
     _assert_bits_equal(w16.get(), want)
@@ -103,15 +114,15 @@ def test_dequant_q6k_from_wexp_reads_the_plane():
     padded blocks it must still reproduce the original weight exactly (and the
     padded-only kernel must not, which shows the wipe mattered)."""
     import cupy as cp
-    from minfer import quants
-    from minfer.backend import cuda_fast
+    from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
+    cuda_fast = _fast()
 
     n_out, n_in = 45, 1024
     rng = np.random.default_rng(6)
     raw = _random_q6k(rng, n_out, n_in)
     want = gq.dequantize(raw, QT.Q6_K).astype(np.float16)
-    padded = quants.pad_q6k(raw)
-    plane = quants.expand_q6k_dense(padded, n_out, n_in)                # (n_out, n_in) int8
+    padded = pad_q6k(raw)
+    plane = expand_q6k_dense(padded, n_out, n_in)                       # (n_out, n_in) int8
     wiped = padded.reshape(n_out, -1, 224).copy()
     wiped[:, :, :192] = 0                                               # ql, qh gone; scales, d kept
     wiped = wiped.reshape(n_out, -1)
@@ -125,7 +136,7 @@ def test_dequant_q6k_from_wexp_reads_the_plane():
 def test_dequant_rejects_bad_input():
     import cupy as cp
     from minfer.errors import MinferError
-    from minfer.backend import cuda_fast
+    cuda_fast = _fast()
 
     with pytest.raises(MinferError, match="no f16 dequantizer"):
         cuda_fast.dequant_f16(cp.zeros(34 * 8, cp.uint8), QT.Q8_0, 1, 256)
@@ -137,7 +148,7 @@ def test_dequant_rejects_bad_input():
 
 def test_cast_f16_rounds_like_numpy():
     import cupy as cp
-    from minfer.backend import cuda_fast
+    cuda_fast = _fast()
 
     rng = np.random.default_rng(8)
     x = np.concatenate([
@@ -164,7 +175,7 @@ def test_gemm_f16(T, K, N):
     not half); an f16 output adds one rounding, 2^-11 of |out| <= sum|x w|.
     Observed errors of random data are far below these worst cases."""
     import cupy as cp
-    from minfer.backend import cuda_fast
+    cuda_fast = _fast()
 
     rng = np.random.default_rng(T + K + N)
     x16 = rng.standard_normal((T, K)).astype(np.float16)
@@ -184,16 +195,17 @@ def test_linear_f16(qtype, use_exp):
     """x f32 -> f16, W -> f16 (exact per the dequant tests), one GEMM: compared with
     float64 on the same two f16 operands, bound as in test_gemm_f16."""
     import cupy as cp
-    from minfer import quants
-    from minfer.backend import cuda_fast
+    from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
+    from minfer.quantize import quantize
+    cuda_fast = _fast()
 
     T, n_out, n_in = 45, 320, 1280
     rng = np.random.default_rng(12)
     w = (rng.standard_normal((n_out, n_in)) * 0.03).astype(np.float32)
-    raw = quants.quantize(w, qtype)
+    raw = quantize(w, qtype)
     w16_ref = gq.dequantize(raw, qtype).astype(np.float16)
-    dev_raw = quants.pad_q6k(raw) if qtype == QT.Q6_K else raw
-    w_exp = cp.asarray(quants.expand_q6k_dense(dev_raw, n_out, n_in)) if use_exp else None
+    dev_raw = pad_q6k(raw) if qtype == QT.Q6_K else raw
+    w_exp = cp.asarray(expand_q6k_dense(dev_raw, n_out, n_in)) if use_exp else None
     x = rng.standard_normal((T, n_in)).astype(np.float32)
     x16 = cp.full(T * n_in + 8, cp.nan, cp.float16)                       # scratch, oversized
     w16 = cp.full(n_out * n_in + 8, cp.nan, cp.float16)
@@ -252,7 +264,7 @@ ATT_TOL = 1e-3
 ])
 def test_flash_attention(T, pos0, n_head, n_kv):
     import cupy as cp
-    from minfer.backend import cuda_fast
+    cuda_fast = _fast()
 
     rng = np.random.default_rng(T * 31 + pos0 + n_head)
     n_ctx = pos0 + T + 37
@@ -270,7 +282,7 @@ def test_attention_f16_long_prompt_subset():
     exactly), rounds q, and attends; a subset of rows (tile edges, the last row,
     random ones) is checked against float64."""
     import cupy as cp
-    from minfer.backend import cuda_fast
+    cuda_fast = _fast()
 
     T, pos0, n_head, n_kv = 3325, 0, 7, 1
     n_ctx = T + 11
@@ -296,7 +308,7 @@ def test_attention_f16_continues_a_cache():
     """Two calls (prefix of 100, then 77 more at pos0 = 100) equal one call on all
     177 positions within the tolerance: the second call sees the first's K/V."""
     import cupy as cp
-    from minfer.backend import cuda_fast
+    cuda_fast = _fast()
 
     n_head, n_kv, T1, T2 = 6, 1, 100, 77
     rng = np.random.default_rng(177)
@@ -315,7 +327,7 @@ def test_attention_f16_continues_a_cache():
 def test_attention_rejects_bad_input():
     import cupy as cp
     from minfer.errors import MinferError
-    from minfer.backend import cuda_fast
+    cuda_fast = _fast()
 
     kc = cp.zeros((10, 2, 128), cp.float16)
     with pytest.raises(MinferError, match="do not fit the KV cache"):

@@ -1,13 +1,13 @@
 """The golden greedy streams on the GPU: equal to tests/golden/*.json byte for
-byte, and byte-identical in the three q6_K modes (seed §4: the modes and the
-fallback share the accumulation order), each mode with its liveness counters:
+byte, and byte-identical in the three q6_K modes (all three accumulate in the
+same order), each mode with its liveness counters:
 
     exp       (default)                  exp > 0, fallback! == 0
     exp=off   MINFER_MMQ_Q6K_EXP=0       only exp=off, no planes (plane_bytes == 0)
     fallback! MINFER_TEST_FORCE_EXP_MISS=1  fallback! > 0
 
 Each mode runs `scripts/golden.py --report` in its own process, since the
-variables are read when the QuantState is created.
+variables are read when the backend is created (CudaSettings.from_env).
 """
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ EXP, OFF, MISS = "q6k exp", "q6k exp=off", "q6k fallback!"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, synth_dir):
     if not GOLDEN:
         pytest.skip("no golden files in tests/golden (make them: python scripts/golden.py --update)")
     tmp = tmp_path_factory.mktemp("golden")
-    model_dir = os.environ.get("MINFER_CACHE") or str(tmp)
+    model_dir = str(synth_dir)
     out = {}
     for mode, extra in MODES.items():
         env = {k: v for k, v in os.environ.items()

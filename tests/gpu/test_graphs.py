@@ -7,93 +7,78 @@ replayed from then on; the graph keeps every scratch buffer it captured alive.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from minfer.backend.cuda_quant import F16_GEMM_MIN_T   # imports without cupy too
-
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine(synth_dir):
     from minfer.engine import Engine
-    spec = importlib.util.spec_from_file_location("golden_script", ROOT / "scripts" / "golden.py")
-    golden = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(golden)
-    d = Path(os.environ.get("MINFER_CACHE") or tmp_path_factory.mktemp("synth"))
-    return Engine.load(golden.synth_model(d), backend="cuda", n_ctx=700, progress=False)
+    from minfer.synth import synth_model
+    return Engine.load(synth_model(synth_dir), backend="cuda", n_ctx=700, progress=False)
 
 
 def _tokens(T: int, seed: int, vocab: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, T).astype(np.int32)
 
 
+def _counts(be) -> dict:
+    """The backend's launch counters without the graph-replay count."""
+    c = be.counters()
+    c.pop("graph replays")
+    return c
+
+
 def _eager(engine, tokens, cache):
     be = engine.backend
-    on, be.graphs_on = be.graphs_on, False
-    try:
-        be.quant.reset_counters()
+    with be.using(graphs=False):
+        be.reset_counters()
         y = engine.model.forward(tokens, 0, cache, logits_from=0)
-        return y, be.quant.counters()
-    finally:
-        be.graphs_on = on
+        return y, _counts(be)
 
 
 @pytest.mark.parametrize("T,gemm", [(7, "f16"), (70, "f16"), (333, "f16"), (40, "mmq")])
-def test_replay_equals_eager_and_counts(engine, T, gemm, monkeypatch):
+def test_replay_equals_eager_and_counts(engine, T, gemm):
     be = engine.backend
-    assert be.graphs_on, "MINFER_CUDA_GRAPHS=0 in the environment"
-    if gemm == "mmq":                            # pin the int8 MMQ engine (and W_exp staging)
-        monkeypatch.setattr(be.quant, "f16_min_t", 1 << 30)
-    cache = engine.new_cache()
-    toks = _tokens(T, T, engine.cfg.vocab_size)
-    want, want_counts = _eager(engine, toks, cache)
-    r0 = be.graph_replays
-    # eager; capture (an eager run fills the graph's pool, then one replay); replay.
-    # The counters count launches that ran: the capturing call runs the layers twice.
-    got_counts = []
-    for i in range(3):
-        be.quant.reset_counters()
-        got = engine.model.forward(toks, 0, cache, logits_from=0)
-        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"call {i}"
-        got_counts.append(be.quant.counters())
+    assert be.settings.graphs, "MINFER_CUDA_GRAPHS=0 in the environment"
+    pin = {"f16_min_t": 1 << 30} if gemm == "mmq" else {}     # pin the int8 MMQ engine (and W_exp staging)
+    with be.using(**pin):
+        cache = engine.new_cache()
+        toks = _tokens(T, T, engine.cfg.vocab_size)
+        want, want_counts = _eager(engine, toks, cache)
+        # eager; capture (an eager run fills the graph's pool, then one replay); replay.
+        # The counters count launches that ran: the capturing call runs the layers twice.
+        got_counts, replays = [], []
+        for i in range(3):
+            be.reset_counters()
+            got = engine.model.forward(toks, 0, cache, logits_from=0)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"call {i}"
+            replays.append(be.counters()["graph replays"])
+            got_counts.append(_counts(be))
     (rec,) = [g for k, g in cache.graphs.items() if k[0] == ("blocks", T, 0)]
     layers = rec.counts                                           # one replay's launches
     assert sum(layers.values()) >= 7 * engine.cfg.n_layer and all(
         layers[k] <= want_counts[k] for k in layers)
     assert got_counts[0] == want_counts and got_counts[2] == want_counts
     assert got_counts[1] == {k: want_counts[k] + layers[k] for k in want_counts}
-    assert be.graph_replays - r0 == 2
+    assert replays == [0, 1, 1]
 
 
 def test_exp_toggle_is_not_baked_into_a_replay(engine):
-    """set_exp_enabled after a capture must change the launches: the W_exp path
-    decision is part of the graph key, so a toggled run captures its own graph."""
+    """Toggling the W_exp path after a capture must change the launches: the
+    settings are part of the graph key, so a toggled run captures its own graph."""
     be, cache = engine.backend, engine.new_cache()
     toks = _tokens(40, 3, engine.cfg.vocab_size)
     for f16_min_t in (1 << 30, 2):                                 # MMQ, then the f16 engine
-        be.quant.f16_min_t = f16_min_t
-        _toggle_exp(engine, be, cache, toks)
-    be.quant.f16_min_t = F16_GEMM_MIN_T
-
-
-def _toggle_exp(engine, be, cache, toks):
-    try:
         for on in (True, False, True, False):
-            be.quant.set_exp_enabled(on)
-            for _ in range(3):
-                be.quant.reset_counters()
-                engine.model.forward(toks, 0, cache)
-                c = be.quant.counters()
-                assert (c["q6k exp"] > 0) == on and (c["q6k exp=off"] > 0) == (not on)
-    finally:
-        be.quant.set_exp_enabled(True)
+            with be.using(f16_min_t=f16_min_t, exp_enabled=on):
+                for _ in range(3):
+                    be.reset_counters()
+                    engine.model.forward(toks, 0, cache)
+                    c = be.counters()
+                    assert (c["q6k exp"] > 0) == on and (c["q6k exp=off"] > 0) == (not on)
 
 
 def test_replay_survives_scratch_growth(engine):
@@ -106,9 +91,9 @@ def test_replay_survives_scratch_growth(engine):
     want, _ = _eager(engine, short, cache)
     engine.model.forward(short, 0, cache, logits_from=0)          # eager (first use)
     engine.model.forward(short, 0, cache, logits_from=0)          # capture + replay
-    before = be.quant.scratch_refs()
+    x16_before = be.gemm.scratch()[1][0]
     for _ in range(3):                                            # eager, capture, replay
         engine.model.forward(long_, 0, cache, logits_from=0)
-    assert be.quant.scratch_refs()[1][0].size > before[1][0].size, "x16 scratch did not grow"
+    assert be.gemm.scratch()[1][0].size > x16_before.size, "x16 scratch did not grow"
     got = engine.model.forward(short, 0, cache, logits_from=0)    # replay of the short graph
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

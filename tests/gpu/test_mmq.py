@@ -1,5 +1,5 @@
 """The quantized-weight kernels vs NumPy references (kernels/{quantize,mmq,matvec,
-dequant}.cu through minfer.backend.cuda_quant).
+dequant}.cu through minfer/backend/cuda/int8.py).
 
 The independent truth: minfer.quants (bit-exact to gguf.quants, tested in CI) for
 the weights, a NumPy mirror of ggml's quantize_q8_1 for the activations, float64
@@ -20,7 +20,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from minfer import quants
+from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
 from minfer.gguf import TensorInfo
+from minfer.quantize import quantize
 
 pytestmark = pytest.mark.gpu
 
@@ -38,8 +40,9 @@ def cp():
 
 @pytest.fixture(scope="module")
 def cq():
-    from minfer.backend import cuda_quant
-    return cuda_quant
+    """The kernel wrappers under test (minfer/backend/cuda/int8.py)."""
+    from minfer.backend.cuda import int8
+    return int8
 
 
 def _rng(*key) -> np.random.Generator:
@@ -53,7 +56,7 @@ def _weights(qtype, n_out: int, K: int, seed=0) -> np.ndarray:
     w = rng.standard_normal((n_out, K)).astype(np.float32)
     w *= rng.uniform(0.002, 0.05, (n_out, 1)).astype(np.float32)
     w[rng.random((n_out, K)) < 0.002] *= 9.0
-    return quants.quantize(w, qtype)
+    return quantize(w, qtype)
 
 
 def _acts(T: int, K: int, seed=0) -> np.ndarray:
@@ -102,7 +105,7 @@ def _envelope(qtype, W: np.ndarray) -> np.ndarray:
 
 
 def _pad(qtype, raw):
-    return quants.pad_q6k(raw) if qtype == QT.Q6_K else raw
+    return pad_q6k(raw) if qtype == QT.Q6_K else raw
 
 
 def _gemm(cp, cq, qtype, raw, x, plane=None, bias=None):
@@ -168,7 +171,7 @@ def test_quantize_q8_1_vs_numpy_mirror(cp, cq, T, K):
 def test_mmq_vs_reference(cp, cq, qtype, T, n_out, K):
     raw = _weights(qtype, n_out, K)
     x = _acts(T, K)
-    plane = quants.expand_q6k_dense(quants.pad_q6k(raw), n_out, K) if qtype == QT.Q6_K else None
+    plane = expand_q6k_dense(pad_q6k(raw), n_out, K) if qtype == QT.Q6_K else None
     bias = _rng("b", n_out).standard_normal(n_out).astype(np.float32) if T == 33 else None
     _check_gemm(qtype, raw, x, _gemm(cp, cq, qtype, raw, x, plane, bias), bias)
 
@@ -179,7 +182,7 @@ def test_q6k_exp_and_fallback_bit_identical(cp, cq, T, n_out, K):
     same bytes and share the accumulation order: outputs equal bit for bit."""
     raw = _weights(QT.Q6_K, n_out, K, seed=1)
     x = _acts(T, K, seed=1)
-    plane = quants.expand_q6k_dense(quants.pad_q6k(raw), n_out, K)
+    plane = expand_q6k_dense(pad_q6k(raw), n_out, K)
     y_exp = _gemm(cp, cq, QT.Q6_K, raw, x, plane)
     y_raw = _gemm(cp, cq, QT.Q6_K, raw, x, None)
     assert np.isfinite(y_exp).all()
@@ -204,9 +207,8 @@ def _check_matvec(qtype, raw, x, y, bias=None):
 def _matvec(cp, cq, qtype, raw, x, bias=None):
     n_out = raw.shape[0]
     y = cp.full((1, n_out), cp.nan, dtype=cp.float32)
-    fn = cq.matvec_q4k if qtype == QT.Q4_K else cq.matvec_q6k
-    fn(cp.asarray(x), cp.asarray(_pad(qtype, raw)), n_out,
-       None if bias is None else cp.asarray(bias), y)
+    cq.matvec(qtype, cp.asarray(x), cp.asarray(_pad(qtype, raw)), n_out,
+              None if bias is None else cp.asarray(bias), y)
     return cp.asnumpy(y)
 
 
@@ -236,7 +238,7 @@ def test_real_slices(cp, cq, real, key, T):
     if T == 1:
         _check_matvec(qtype, raw, x, _matvec(cp, cq, qtype, raw, x))
         return
-    plane = quants.expand_q6k_dense(quants.pad_q6k(raw), n_out, K) if qtype == QT.Q6_K else None
+    plane = expand_q6k_dense(pad_q6k(raw), n_out, K) if qtype == QT.Q6_K else None
     y = _gemm(cp, cq, qtype, raw, x, plane)
     _check_gemm(qtype, raw, x, y)
     if qtype == QT.Q6_K:
@@ -254,84 +256,82 @@ def _info(name, qtype, n_out, n_in):
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q6_K, QT.Q8_0, QT.F16, QT.F32],
                          ids=lambda q: q.name)
-def test_embed_rows_bit_exact(cp, cq, qtype):
+def test_embed_rows_bit_exact(cp, cq, cuda_linears, qtype):
     n_vocab, d = 97, 768
     raw = _weights(qtype, n_vocab, d, seed=4)
-    st = cq.QuantState()
+    st, _ = cuda_linears()
     w = st.register("token_embd.weight", _info("token_embd.weight", qtype, n_vocab, d), raw)
     toks = _rng("tok", int(qtype)).integers(0, n_vocab, 41).astype(np.int32)
     toks[:3] = [0, n_vocab - 1, toks[5]]                            # both ends and a repeat
-    y = cp.asnumpy(st.embed(w, cp.asarray(toks)))
+    y = cp.asnumpy(cq.dequant_rows(w.qtype, w.data, w.n_in, cp.asarray(toks)))
     ref = quants.dequantize_rows(raw[toks], qtype, d)
     assert np.array_equal(y.view(np.uint32), ref.view(np.uint32))
 
 
-# --- liveness through QuantState.linear (seed §4: the fast path is taken) ----- #
+# --- liveness through the backend's linear (the fast path is taken) ---------- #
 
-def _linear_counts(cp, cq, monkeypatch, env: dict, T=7, toggle_off=False, engine="mmq"):
-    for k in ("MINFER_MMQ_Q6K_EXP", "MINFER_TEST_FORCE_EXP_MISS", "MINFER_MMQ_RAW_NB_DEBUG"):
-        monkeypatch.delenv(k, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(cq, "_exp_miss_warned", False)
+# the settings each q6_K mode runs with (what the MINFER_* switches set)
+MODES = {"exp": {}, "off": {"exp_planes": False}, "toggled": {"exp_enabled": False},
+         "miss": {"force_exp_miss": True}}
+
+
+def _linear_counts(cp, cuda_linears, mode="exp", T=7, engine="mmq"):
     n_out, K = 200, 512
     raw = _weights(QT.Q6_K, n_out, K, seed=5)
-    st = cq.QuantState()
-    st.f16_min_t = 1 << 30 if engine == "mmq" else 2     # pin the GEMM engine under test
+    pin = 1 << 30 if engine == "mmq" else 2                 # pin the GEMM engine under test
+    st, gemm = cuda_linears(f16_min_t=pin, **MODES[mode])
     name = "blk.3.ffn_down.weight"
     w = st.register(name, _info(name, QT.Q6_K, n_out, K), raw)
-    if toggle_off:
-        st.set_exp_enabled(False)
-    y = cp.asnumpy(st.linear(cp.asarray(_acts(T, K, seed=5)), w))
-    return st.counters(), y, st, w          # w keeps its plane alive
+    y = cp.asnumpy(gemm.linear(cp.asarray(_acts(T, K, seed=5)), w))
+    return dict(gemm.counters.counts), y, st, w          # w keeps its plane alive
 
 
 @pytest.mark.parametrize("engine", ["mmq", "f16"])
-def test_linear_liveness_paths(cp, cq, monkeypatch, capsys, engine):
+def test_linear_liveness_paths(cp, cuda_linears, capsys, engine):
     """The q6_K labels say where B came from on either GEMM engine; the W_exp
     plane (MMQ: cp.async staging; f16: the dequantizer's source) and the padded
     blocks give the same bits."""
-    lc = functools.partial(_linear_counts, engine=engine)
-    on, y_on, st, w = lc(cp, cq, monkeypatch, {})
+    lc = functools.partial(_linear_counts, cp, cuda_linears, engine=engine)
+    on, y_on, st, w = lc("exp")
     assert on[f"q6k_{engine}"] == 1
     assert on["q6k exp"] == 1 and on["q6k exp=off"] == 0 and on["q6k fallback!"] == 0
-    assert st.plane_bytes == 200 * 512 == st.plane_sum_odid
-    off, y_off, st, w = lc(cp, cq, monkeypatch, {"MINFER_MMQ_Q6K_EXP": "0"})
+    assert st.plane_bytes == 200 * 512
+    off, y_off, st, w = lc("off")
     assert off["q6k exp=off"] == 1 and off["q6k exp"] == 0 and off["q6k fallback!"] == 0
     assert st.plane_bytes == 0
-    tog, y_tog, st, w = lc(cp, cq, monkeypatch, {}, toggle_off=True)
+    tog, y_tog, st, w = lc("toggled")
     assert tog["q6k exp=off"] == 1 and tog["q6k exp"] == 0 and st.plane_bytes == 200 * 512
-    miss, y_miss, st, w = lc(cp, cq, monkeypatch, {"MINFER_TEST_FORCE_EXP_MISS": "1"})
+    miss, y_miss, st, w = lc("miss")
     assert miss["q6k fallback!"] == 1 and miss["q6k exp"] == 0
     assert capsys.readouterr().err.count("WARNING: W_exp plane registration failed") == 1
     for y in (y_off, y_tog, y_miss):                               # one accumulation order
         assert np.array_equal(y.view(np.uint32), y_on.view(np.uint32))
-    st.reset_counters()
-    assert not any(st.counters().values())
 
 
-def test_linear_routes_matvec_and_q4k(cp, cq, monkeypatch):
-    c1, _, _, _ = _linear_counts(cp, cq, monkeypatch, {}, T=1)
+def test_linear_routes_matvec_and_q4k(cp, cuda_linears):
+    c1, _, _, _ = _linear_counts(cp, cuda_linears, T=1)
     assert c1["q6k_mv"] == 1 and c1["q6k exp"] == 0
-    st = cq.QuantState()
-    st.f16_min_t = 1 << 30                                  # MMQ for T > 1
+    st, gemm = cuda_linears(f16_min_t=1 << 30)             # MMQ for T > 1
     raw = _weights(QT.Q4_K, 264, 512, seed=6)
     w = st.register("blk.0.attn_q.weight", _info("blk.0.attn_q.weight", QT.Q4_K, 264, 512), raw)
     x = _acts(33, 512, seed=6)
     bias = _rng("lb").standard_normal(264).astype(np.float32)
-    y = cp.asnumpy(st.linear(cp.asarray(x), w, bias=cp.asarray(bias)))
+    y = cp.asnumpy(gemm.linear(cp.asarray(x), w, bias=cp.asarray(bias)))
     _check_gemm(QT.Q4_K, raw, x, y, bias)
-    st.linear(cp.asarray(x[:1]), w)
-    assert st.counters()["q4k_mmq"] == 1 and st.counters()["q4k_mv"] == 1
-    assert st.memory_report()["q4_K weights"] == raw.nbytes
+    gemm.linear(cp.asarray(x[:1]), w)
+    assert gemm.counters.counts["q4k_mmq"] == 1 and gemm.counters.counts["q4k_mv"] == 1
+    assert st.bytes["q4_K weights"] == raw.nbytes
     # the default engine for T >= F16_GEMM_MIN_T: W and x rounded once to f16
     # (relative 2^-11 each), products summed in f32: well inside 4e-3 of max|y|
-    st.f16_min_t = cq.F16_GEMM_MIN_T
-    y16 = cp.asnumpy(st.linear(cp.asarray(x), w, bias=cp.asarray(bias)))
+    from minfer.backend.cuda.settings import CudaSettings
+    gemm.settings = CudaSettings()
+    y16 = cp.asnumpy(gemm.linear(cp.asarray(x), w, bias=cp.asarray(bias)))
     ref = (x.astype(np.float64) @ quants.dequantize_rows(raw, QT.Q4_K, 512).astype(np.float64).T
            + bias)
     assert np.abs(y16 - ref).max() <= 4e-3 * np.abs(ref).max()
-    assert st.counters()["q4k_f16"] == 1
+    assert gemm.counters.counts["q4k_f16"] == 1
+    gemm.counters.reset()
+    assert not any(gemm.counters.counts.values())
 
 
 def test_debug_counts_printed_at_exit(cp):
@@ -339,15 +339,17 @@ def test_debug_counts_printed_at_exit(cp):
     code = (
         "import numpy as np, cupy as cp\n"
         "from gguf import GGMLQuantizationType as QT\n"
-        "from minfer import quants\n"
-        "from minfer.backend.cuda_quant import QuantState\n"
+        "from minfer.backend.cuda.gemm import Gemms\n"
+        "from minfer.backend.cuda.settings import CudaSettings\n"
+        "from minfer.backend.cuda.weights import WeightStore\n"
         "from minfer.gguf import TensorInfo\n"
+        "from minfer.quantize import quantize\n"
         "x = np.random.default_rng(7).standard_normal((9, 256)).astype(np.float32)\n"
-        "raw = quants.quantize(x[:5] * 0.01, QT.Q6_K)\n"
-        "st = QuantState()\n"
+        "raw = quantize(x[:5] * 0.01, QT.Q6_K)\n"
+        "settings = CudaSettings.from_env(); st = WeightStore(settings); g = Gemms(st, settings)\n"
         "w = st.register('output.weight', TensorInfo('output.weight', QT.Q6_K, (5, 256), 0,"
         " raw.nbytes, 1280, raw.shape[1], 5), raw)\n"
-        "st.linear(cp.asarray(x), w); st.linear(cp.asarray(x), w); cp.cuda.Device().synchronize()\n")
+        "g.linear(cp.asarray(x), w); g.linear(cp.asarray(x), w); cp.cuda.Device().synchronize()\n")
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "MINFER_MMQ_RAW_NB_DEBUG": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -360,14 +362,14 @@ def test_debug_counts_printed_at_exit(cp):
     assert "[minfer mmq] q6k fallback!: 0" in p.stderr
 
 
-def test_ffn_f16_vs_reference(cp, cq):
-    """QuantState.ffn (the f16 engine's SwiGLU FFN): gate/up GEMMs write f16, swiglu
+def test_ffn_f16_vs_reference(cp, cuda_linears):
+    """Gemms.ffn_f16 (the f16 engine's SwiGLU FFN): gate/up GEMMs write f16, swiglu
     reads and writes f16, the down GEMM reads it. Reference: the same roundings in
     float64 (x, W, g, u and f rounded to f16 once each). What remains is f32
     accumulation order, which can move a g/u/f value across an f16 rounding
     boundary (one ulp, 2^-11 relative) now and then: 2e-3 of max|y| holds that."""
     T, d, d_ff = 37, 512, 768
-    st = cq.QuantState()
+    st, gemm = cuda_linears()
     ws = {}
     for name, qt, n_out, K in (("blk.0.ffn_gate.weight", QT.Q4_K, d_ff, d),
                                ("blk.0.ffn_up.weight", QT.Q4_K, d_ff, d),
@@ -376,7 +378,9 @@ def test_ffn_f16_vs_reference(cp, cq):
         ws[name.split(".")[2]] = (st.register(name, _info(name, qt, n_out, K), raw),
                                   quants.dequantize_rows(raw, qt, K))
     h = _acts(T, d, seed=11) * 0.3
-    y = cp.asnumpy(st.ffn(cp.asarray(h), ws["ffn_gate"][0], ws["ffn_up"][0], ws["ffn_down"][0]))
+    gate, up, down = ws["ffn_gate"][0], ws["ffn_up"][0], ws["ffn_down"][0]
+    assert gemm.ffn_fused(T, gate, up, down)
+    y = cp.asnumpy(gemm.ffn_f16(cp.asarray(h), gate, up, down))
 
     f16 = lambda a: a.astype(np.float16).astype(np.float64)
     h16 = f16(h)
@@ -386,9 +390,9 @@ def test_ffn_f16_vs_reference(cp, cq):
     ref = f @ f16(ws["ffn_down"][1]).T
     assert y.shape == (T, d) and np.isfinite(y).all()
     assert np.abs(y - ref).max() <= 2e-3 * np.abs(ref).max()
-    c = st.counters()
+    c = gemm.counters.counts
     assert c["q4k_f16"] == 2 and c["q6k_f16"] == 1 and c["q6k exp"] == 1
-    st.set_exp_enabled(False)                      # the padded blocks give the same bits
-    y_off = cp.asnumpy(st.ffn(cp.asarray(h), ws["ffn_gate"][0], ws["ffn_up"][0], ws["ffn_down"][0]))
+    gemm.settings = gemm.settings.replace(exp_enabled=False)   # the padded blocks give the same bits
+    y_off = cp.asnumpy(gemm.ffn_f16(cp.asarray(h), gate, up, down))
     assert np.array_equal(y_off.view(np.uint32), y.view(np.uint32))
-    assert st.counters()["q6k exp=off"] == 1
+    assert gemm.counters.counts["q6k exp=off"] == 1

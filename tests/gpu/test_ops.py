@@ -13,9 +13,12 @@ T_SHAPES = (1, 7, 33, 517)
 
 @pytest.fixture(scope="module")
 def cu():
+    """cupy, and the wrappers under test by their op names."""
     import cupy
-    from minfer.backend import cuda
-    return cupy, cuda
+    from types import SimpleNamespace
+    from minfer.backend.cuda import attention, ops
+    return cupy, SimpleNamespace(rmsnorm=ops.rmsnorm, rope=ops.rope, rope_table=ops.rope_table,
+                                 swiglu=ops.swiglu, add=ops.add, attention=attention.attention_f32)
 
 
 def nan_like(cp, shape):
@@ -227,12 +230,19 @@ def _small_cfg():
                        qkv_bias=True, rope_neox=True)
 
 
-def test_oom_is_one_line_minfer_error(cu, monkeypatch):
-    """A real device OOM (a KV cache far beyond the card) and one raised inside a
-    weight registration both become one MinferError line naming what to turn off."""
-    cp, cuda = cu
+def test_oom_is_one_line_minfer_error(cu, synth_dir, monkeypatch):
+    """Device out-of-memory becomes one MinferError line naming what to turn off, at
+    the backend's one boundary: a real one (a KV cache far beyond the card), and
+    ones raised inside loading and inside a forward pass."""
+    cp, _ = cu
+    from minfer.backend.cuda import CUDABackend
+    from minfer.backend.cuda.gemm import Gemms
+    from minfer.backend.cuda.weights import WeightStore
+    from minfer.engine import Engine
     from minfer.errors import MinferError
-    be = cuda.CUDABackend(_small_cfg())
+    from minfer.synth import synth_model
+
+    be = CUDABackend(_small_cfg())
     with pytest.raises(MinferError) as ei:
         be.new_cache(400_000_000)            # 3 * 2 * 4e8 * 256 * 4 B = 2.4 TB
     msg = str(ei.value)
@@ -241,10 +251,16 @@ def test_oom_is_one_line_minfer_error(cu, monkeypatch):
 
     def boom(*a, **k):
         raise cp.cuda.memory.OutOfMemoryError(1 << 33, 1 << 30)
-    monkeypatch.setattr(be.quant, "register", boom)
-    info = type("Info", (), {"shape": (8, 256), "qtype": None})()
-    with pytest.raises(MinferError) as ei:
-        be.load_weight("blk.0.ffn_down.weight", info, np.zeros((8, 210), np.uint8))
+    path = synth_model(synth_dir)
+    with monkeypatch.context() as m:
+        m.setattr(WeightStore, "register", boom)
+        with pytest.raises(MinferError) as ei:
+            Engine.load(path, backend="cuda", n_ctx=16, progress=False)
     msg = str(ei.value)
-    assert msg.startswith("GPU out of memory while loading blk.0.ffn_down.weight") and "\n" not in msg
+    assert msg.startswith("GPU out of memory while loading the weights") and "\n" not in msg
     assert "MINFER_MMQ_Q6K_EXP" in msg
+    eng = Engine.load(path, backend="cuda", n_ctx=16, progress=False)
+    monkeypatch.setattr(Gemms, "linear", boom)
+    with pytest.raises(MinferError) as ei:
+        eng.model.forward(np.arange(1, dtype=np.int32), 0, eng.new_cache())
+    assert str(ei.value).startswith("GPU out of memory while running the model")

@@ -1,0 +1,85 @@
+"""The CUDA backend's host-side decisions, without a GPU: the settings read from the
+environment, the GEMM path table, and the W_exp plane inventory of the 7B header
+(the sum of od x id over its tensor table, checked against the allocated planes)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from minfer.backend.cuda.gemm import gemm_path
+from minfer.backend.cuda.settings import F16_GEMM_MIN_T, CudaSettings
+from minfer.backend.cuda.weights import GpuWeight, expected_plane_bytes, is_plane_tensor, plane_check
+
+# od x id of the 7B's plane tensors: 28 layers alternate q6_K attn_v / ffn_down with
+# q4_K ones (14 each), plus the q6_K output head (the header's tensor table)
+PLANES_7B = 14 * 512 * 3584 + 14 * 3584 * 18944 + 152064 * 3584
+
+
+def test_settings_from_env():
+    assert CudaSettings.from_env({}) == CudaSettings()
+    s = CudaSettings.from_env({"MINFER_MMQ_Q6K_EXP": "0", "MINFER_FFN_F16": "0",
+                               "MINFER_CUDA_GRAPHS": "0", "MINFER_MMQ_RAW_NB_DEBUG": "1",
+                               "MINFER_TEST_FORCE_EXP_MISS": "1"})
+    assert (s.exp_planes, s.ffn_f16, s.graphs, s.report_counts, s.force_exp_miss) == \
+        (False, False, False, True, True)
+    assert not s.use_planes and CudaSettings().use_planes
+    assert not CudaSettings().replace(exp_enabled=False).use_planes
+    hash(s)                                   # frozen: usable as a CUDA-graph cache key
+    with pytest.raises(Exception):
+        s.graphs = True
+
+
+def _w(name, qtype, n_out=512, n_in=3584):
+    return GpuWeight(name, qtype, n_out, n_in, data=None,
+                     plane_tensor=is_plane_tensor(name, qtype, (n_out, n_in)))
+
+
+@pytest.mark.parametrize("T,name,qtype,has_plane,settings,want", [
+    (1, "blk.0.attn_q.weight", QT.Q4_K, False, {}, ("matvec", "q4k_mv", None)),
+    (1, "blk.0.attn_v.weight", QT.Q6_K, True, {}, ("matvec", "q6k_mv", None)),
+    (F16_GEMM_MIN_T, "blk.0.attn_q.weight", QT.Q4_K, False, {}, ("f16", "q4k_f16", None)),
+    (512, "blk.0.attn_v.weight", QT.Q6_K, True, {}, ("f16", "q6k_f16", "q6k exp")),
+    (512, "blk.0.attn_v.weight", QT.Q6_K, False, {}, ("f16", "q6k_f16", "q6k fallback!")),
+    (512, "blk.0.attn_v.weight", QT.Q6_K, True, {"exp_enabled": False}, ("f16", "q6k_f16", "q6k exp=off")),
+    (512, "blk.0.attn_v.weight", QT.Q6_K, False, {"exp_planes": False}, ("f16", "q6k_f16", "q6k exp=off")),
+    (512, "blk.0.attn_q.weight", QT.Q6_K, False, {}, ("f16", "q6k_f16", "q6k raw")),
+    (512, "output.weight", QT.Q6_K, True, {}, ("mmq", "q6k_mmq", "q6k exp")),        # a table
+    (512, "blk.0.ffn_up.weight", QT.Q4_K, False, {"f16_min_t": 1 << 30}, ("mmq", "q4k_mmq", None)),
+    (7, "blk.0.attn_q_norm.weight", QT.F32, False, {}, ("f32", "f32_gemm", None)),
+])
+def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
+    p = gemm_path(T, _w(name, qtype), CudaSettings(**settings), has_plane)
+    assert (p.engine, p.counter, p.b_source) == want
+    assert p.reads_plane == (want[2] == "q6k exp")
+
+
+def test_gemm_path_rejects_unsupported_types():
+    from minfer.errors import MinferError
+    with pytest.raises(MinferError, match="not supported"):
+        gemm_path(4, _w("blk.0.attn_q.weight", QT.Q8_0), CudaSettings(), False)
+
+
+def test_plane_inventory_of_the_7b_header(header_7b):
+    from minfer.gguf import open_gguf
+    tensors = open_gguf(str(header_7b), header_only=True).tensors
+    assert expected_plane_bytes(tensors, CudaSettings()) == PLANES_7B == 1_521_221_632
+    assert expected_plane_bytes(tensors, CudaSettings(exp_planes=False)) == 0
+    covered = [n for n, t in tensors.items() if is_plane_tensor(n, t.qtype, t.shape)]
+    assert len(covered) == 29 and "output.weight" in covered
+
+
+def test_plane_check_fails_when_a_plane_is_missing(header_7b):
+    """Planes standing in for the 7B's (host arrays of the same shapes): all of them
+    pass the check, one fewer fails it, naming both byte counts."""
+    from minfer.gguf import open_gguf
+    tensors = open_gguf(str(header_7b), header_only=True).tensors
+    shapes = {n: tuple(t.shape) for n, t in tensors.items() if is_plane_tensor(n, t.qtype, t.shape)}
+    planes = {f"{n}__exp{od}x{id_}": np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), (od, id_), (0, 0))
+              for n, (od, id_) in shapes.items()}
+    expected = expected_plane_bytes(tensors, CudaSettings())
+    assert plane_check(expected, planes) is None
+    dropped = planes.pop(next(iter(planes)))
+    problem = plane_check(expected, planes)
+    assert problem is not None
+    assert f"{expected - dropped.nbytes:,}" in problem and f"{expected:,}" in problem
