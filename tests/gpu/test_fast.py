@@ -69,13 +69,13 @@ def _assert_bits_equal(got16, want16):
 @pytest.mark.parametrize("n_out,n_in", [(1, 256), (37, 768), (129, 1280)])
 def test_dequant_q4k_random_blocks(n_out, n_in):
     import cupy as cp
-    cuda_fast = _fast()
+    fp = _fast()
 
     rng = np.random.default_rng(n_out * 7 + n_in)
     raw = _random_q4k(rng, n_out, n_in)
     want = gq.dequantize(raw, QT.Q4_K).astype(np.float16)              # f32 ref rounded once
     out = _nan16(cp, n_out * n_in + 100)                                # poisoned, oversized scratch
-    w16 = cuda_fast.dequant_f16(cp.asarray(raw), QT.Q4_K, n_out, n_in, out=out)
+    w16 = fp.dequant_f16(cp.asarray(raw), QT.Q4_K, n_out, n_in, out=out)
     assert w16.shape == (n_out, n_in)
     _assert_bits_equal(w16.get(), want)
     assert bool(cp.isnan(out[n_out * n_in:]).all())                     # nothing written past the end
@@ -84,13 +84,13 @@ def test_dequant_q4k_random_blocks(n_out, n_in):
 def test_dequant_q4k_quantized_weights():
     import cupy as cp
     from minfer.quantize import quantize
-    cuda_fast = _fast()
+    fp = _fast()
 
     rng = np.random.default_rng(4)
     x = (rng.standard_normal((96, 1536)) * 0.02).astype(np.float32)
     raw = quantize(x, QT.Q4_K)
     want = gq.dequantize(raw, QT.Q4_K).astype(np.float16)
-    w16 = cuda_fast.dequant_f16(cp.asarray(raw), QT.Q4_K, 96, 1536, out=_nan16(cp, 96 * 1536))
+    w16 = fp.dequant_f16(cp.asarray(raw), QT.Q4_K, 96, 1536, out=_nan16(cp, 96 * 1536))
     _assert_bits_equal(w16.get(), want)
 
 
@@ -98,13 +98,13 @@ def test_dequant_q4k_quantized_weights():
 def test_dequant_q6k_padded(n_out, n_in):
     import cupy as cp
     from minfer.backend.cuda.q6k_layout import pad_q6k
-    cuda_fast = _fast()
+    fp = _fast()
 
     rng = np.random.default_rng(n_out * 11 + n_in)
     raw = _random_q6k(rng, n_out, n_in)
     want = gq.dequantize(raw, QT.Q6_K).astype(np.float16)
     padded = pad_q6k(raw)                                               # (n_out, nb*224)
-    w16 = cuda_fast.dequant_f16(cp.asarray(padded), QT.Q6_K, n_out, n_in,
+    w16 = fp.dequant_f16(cp.asarray(padded), QT.Q6_K, n_out, n_in,
                                 out=_nan16(cp, n_out * n_in))
     _assert_bits_equal(w16.get(), want)
 
@@ -115,7 +115,7 @@ def test_dequant_q6k_from_wexp_reads_the_plane():
     padded-only kernel must not, which shows the wipe mattered)."""
     import cupy as cp
     from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
-    cuda_fast = _fast()
+    fp = _fast()
 
     n_out, n_in = 45, 1024
     rng = np.random.default_rng(6)
@@ -126,29 +126,29 @@ def test_dequant_q6k_from_wexp_reads_the_plane():
     wiped = padded.reshape(n_out, -1, 224).copy()
     wiped[:, :, :192] = 0                                               # ql, qh gone; scales, d kept
     wiped = wiped.reshape(n_out, -1)
-    w16 = cuda_fast.dequant_f16(cp.asarray(wiped), QT.Q6_K, n_out, n_in,
+    w16 = fp.dequant_f16(cp.asarray(wiped), QT.Q6_K, n_out, n_in,
                                 out=_nan16(cp, n_out * n_in), w_exp=cp.asarray(plane))
     _assert_bits_equal(w16.get(), want)
-    w16_wiped = cuda_fast.dequant_f16(cp.asarray(wiped), QT.Q6_K, n_out, n_in)
+    w16_wiped = fp.dequant_f16(cp.asarray(wiped), QT.Q6_K, n_out, n_in)
     assert not np.array_equal(w16_wiped.get().view(np.uint16), want.view(np.uint16))
 
 
 def test_dequant_rejects_bad_input():
     import cupy as cp
     from minfer.errors import MinferError
-    cuda_fast = _fast()
+    fp = _fast()
 
     with pytest.raises(MinferError, match="no f16 dequantizer"):
-        cuda_fast.dequant_f16(cp.zeros(34 * 8, cp.uint8), QT.Q8_0, 1, 256)
+        fp.dequant_f16(cp.zeros(34 * 8, cp.uint8), QT.Q8_0, 1, 256)
     with pytest.raises(ValueError, match="elements"):                   # unpadded q6_K bytes
-        cuda_fast.dequant_f16(cp.zeros(210, cp.uint8), QT.Q6_K, 1, 256)
+        fp.dequant_f16(cp.zeros(210, cp.uint8), QT.Q6_K, 1, 256)
     with pytest.raises(ValueError, match="multiple of 256"):
-        cuda_fast.dequant_f16(cp.zeros(144, cp.uint8), QT.Q4_K, 1, 200)
+        fp.dequant_f16(cp.zeros(144, cp.uint8), QT.Q4_K, 1, 200)
 
 
 def test_cast_f16_rounds_like_numpy():
     import cupy as cp
-    cuda_fast = _fast()
+    fp = _fast()
 
     rng = np.random.default_rng(8)
     x = np.concatenate([
@@ -158,7 +158,7 @@ def test_cast_f16_rounds_like_numpy():
         (np.arange(1, 64, dtype=np.float32) * 2 + 1) * np.float32(2 ** -11) + 1,
     ]).astype(np.float32)
     x = x[: len(x) // 4 * 4].reshape(-1, 4)
-    y = cuda_fast.cast_f16(cp.asarray(x), out=_nan16(cp, x.size))
+    y = fp.cast_f16(cp.asarray(x), out=_nan16(cp, x.size))
     _assert_bits_equal(y.get(), x.astype(np.float16))
 
 
@@ -175,7 +175,7 @@ def test_gemm_f16(T, K, N):
     not half); an f16 output adds one rounding, 2^-11 of |out| <= sum|x w|.
     Observed errors of random data are far below these worst cases."""
     import cupy as cp
-    cuda_fast = _fast()
+    fp = _fast()
 
     rng = np.random.default_rng(T + K + N)
     x16 = rng.standard_normal((T, K)).astype(np.float16)
@@ -185,7 +185,7 @@ def test_gemm_f16(T, K, N):
     acc = K * 2.0 ** -23
     for dtype, tol in ((cp.float32, acc), (cp.float16, acc + 2.0 ** -11)):
         out = cp.full((T, N), cp.nan, dtype=dtype)
-        cuda_fast.gemm_f16(cp.asarray(x16), cp.asarray(w16), out)
+        fp.gemm_f16(cp.asarray(x16), cp.asarray(w16), out)
         err = np.abs(out.get().astype(np.float64) - want) / bound
         assert err.max() < tol, (dtype, err.max())
 
@@ -197,7 +197,7 @@ def test_linear_f16(qtype, use_exp):
     import cupy as cp
     from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
     from minfer.quantize import quantize
-    cuda_fast = _fast()
+    fp = _fast()
 
     T, n_out, n_in = 45, 320, 1280
     rng = np.random.default_rng(12)
@@ -210,7 +210,7 @@ def test_linear_f16(qtype, use_exp):
     x16 = cp.full(T * n_in + 8, cp.nan, cp.float16)                       # scratch, oversized
     w16 = cp.full(n_out * n_in + 8, cp.nan, cp.float16)
     bias = rng.standard_normal(n_out).astype(np.float32)
-    y = cuda_fast.linear_f16(cp.asarray(x), cp.asarray(dev_raw), qtype, n_out, n_in,
+    y = fp.linear_f16(cp.asarray(x), cp.asarray(dev_raw), qtype, n_out, n_in,
                              x16=x16, w16=w16, w_exp=w_exp, bias=cp.asarray(bias))
     xr = x.astype(np.float16)
     want = xr.astype(np.float64) @ w16_ref.astype(np.float64).T + bias
@@ -264,14 +264,14 @@ ATT_TOL = 1e-3
 ])
 def test_flash_attention(T, pos0, n_head, n_kv):
     import cupy as cp
-    cuda_fast = _fast()
+    fp = _fast()
 
     rng = np.random.default_rng(T * 31 + pos0 + n_head)
     n_ctx = pos0 + T + 37
     q, kc, vc = _attn_inputs(rng, T, pos0, n_head, n_kv, n_ctx)
     q16 = q.astype(np.float16)
     out = cp.full((T, n_head * 128), cp.nan, cp.float32)
-    cuda_fast.flash_attention(cp.asarray(q16), cp.asarray(kc), cp.asarray(vc), pos0, out)
+    fp.flash_attention(cp.asarray(q16), cp.asarray(kc), cp.asarray(vc), pos0, out)
     want = _attn_ref(q16, kc, vc, pos0)
     err = np.abs(out.get().astype(np.float64) - want).max() / np.abs(vc[:pos0 + T].astype(np.float64)).max()
     assert err < ATT_TOL, err
@@ -282,7 +282,7 @@ def test_attention_f16_long_prompt_subset():
     exactly), rounds q, and attends; a subset of rows (tile edges, the last row,
     random ones) is checked against float64."""
     import cupy as cp
-    cuda_fast = _fast()
+    fp = _fast()
 
     T, pos0, n_head, n_kv = 3325, 0, 7, 1
     n_ctx = T + 11
@@ -292,7 +292,7 @@ def test_attention_f16_long_prompt_subset():
     v = rng.standard_normal((T, n_kv, 128)).astype(np.float32)
     kc = cp.full((n_ctx, n_kv, 128), cp.nan, cp.float16)
     vc = cp.full((n_ctx, n_kv, 128), cp.nan, cp.float16)
-    out = cuda_fast.attention_f16(cp.asarray(q), cp.asarray(k), cp.asarray(v), kc, vc, pos0)
+    out = fp.attention_f16(cp.asarray(q), cp.asarray(k), cp.asarray(v), kc, vc, pos0)
     k16, v16 = k.astype(np.float16), v.astype(np.float16)
     _assert_bits_equal(kc[:T].get(), k16)
     _assert_bits_equal(vc[:T].get(), v16)
@@ -308,7 +308,7 @@ def test_attention_f16_continues_a_cache():
     """Two calls (prefix of 100, then 77 more at pos0 = 100) equal one call on all
     177 positions within the tolerance: the second call sees the first's K/V."""
     import cupy as cp
-    cuda_fast = _fast()
+    fp = _fast()
 
     n_head, n_kv, T1, T2 = 6, 1, 100, 77
     rng = np.random.default_rng(177)
@@ -317,8 +317,8 @@ def test_attention_f16_continues_a_cache():
     v = rng.standard_normal((T1 + T2, n_kv, 128)).astype(np.float32)
     kc = cp.full((200, n_kv, 128), cp.nan, cp.float16)
     vc = cp.full((200, n_kv, 128), cp.nan, cp.float16)
-    cuda_fast.attention_f16(cp.asarray(q[:T1]), cp.asarray(k[:T1]), cp.asarray(v[:T1]), kc, vc, 0)
-    out2 = cuda_fast.attention_f16(cp.asarray(q[T1:]), cp.asarray(k[T1:]), cp.asarray(v[T1:]), kc, vc, T1)
+    fp.attention_f16(cp.asarray(q[:T1]), cp.asarray(k[:T1]), cp.asarray(v[:T1]), kc, vc, 0)
+    out2 = fp.attention_f16(cp.asarray(q[T1:]), cp.asarray(k[T1:]), cp.asarray(v[T1:]), kc, vc, T1)
     want = _attn_ref(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), 0)[T1:]
     err = np.abs(out2.get().astype(np.float64) - want).max() / np.abs(v.astype(np.float16)).max()
     assert err < ATT_TOL, err
@@ -327,12 +327,12 @@ def test_attention_f16_continues_a_cache():
 def test_attention_rejects_bad_input():
     import cupy as cp
     from minfer.errors import MinferError
-    cuda_fast = _fast()
+    fp = _fast()
 
     kc = cp.zeros((10, 2, 128), cp.float16)
     with pytest.raises(MinferError, match="do not fit the KV cache"):
-        cuda_fast.flash_attention(cp.zeros((8, 4, 128), cp.float16), kc, kc, 3)
+        fp.flash_attention(cp.zeros((8, 4, 128), cp.float16), kc, kc, 3)
     with pytest.raises(ValueError, match="do not group"):
-        cuda_fast.flash_attention(cp.zeros((2, 3, 128), cp.float16), kc, kc, 0)
+        fp.flash_attention(cp.zeros((2, 3, 128), cp.float16), kc, kc, 0)
     with pytest.raises(ValueError, match="128"):
-        cuda_fast.flash_attention(cp.zeros((2, 4, 64), cp.float16), kc, kc, 0)
+        fp.flash_attention(cp.zeros((2, 4, 64), cp.float16), kc, kc, 0)
