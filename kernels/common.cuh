@@ -6,7 +6,7 @@
 #pragma once
 
 // Block formats, tile sizes and threads per block (QK_K, Q4K_BYTES, Q6K_PADDED,
-// THREADS_1D, MMQ_*, MV_ROWS, NORM_THREADS, ATT_*, FA_*) are defined once, in
+// THREADS_1D, MMQ_*, MV_*, NORM_THREADS, ATT_*, FA_*, DEC_*, ARGMAX_THREADS) are defined once, in
 // minfer/backend/cuda/nvrtc.py (KERNEL_CONSTANTS), and arrive as -D defines, so
 // the kernels and their Python wrappers cannot disagree.
 #ifndef MINFER_CONSTANTS

@@ -7,11 +7,12 @@
 // One thread per pair; in place is allowed (each thread reads its pair before writing it).
 #include "common.cuh"
 
-// x, y (T, n_heads, hd); cos_sin (n_pos, hd/2, 2) with n_pos >= pos0 + T;
+// x, y (T, n_heads, hd); cos_sin (n_pos, hd/2, 2) with n_pos >= p + T, where the
+// first position p = *pos_dev when given (a captured decode step), else pos0;
 // grid.x covers T * n_heads * hd/2 pairs
 extern "C" __global__ void
 rope_f32(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ cos_sin,
-         int T, int n_heads, int hd, int pos0, int neox) {
+         int T, int n_heads, int hd, int pos0, const int* __restrict__ pos_dev, int neox) {
     const int half = hd / 2;
     const long long n_pairs = (long long)T * n_heads * half;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -22,7 +23,8 @@ rope_f32(const float* __restrict__ x, float* __restrict__ y, const float* __rest
     const size_t base = (size_t)th * hd;
     const int ia = neox ? i : 2 * i;
     const int ib = neox ? i + half : 2 * i + 1;
-    const float* cs = cos_sin + ((size_t)(pos0 + t) * half + i) * 2;
+    const int p = pos_dev ? *pos_dev : pos0;
+    const float* cs = cos_sin + ((size_t)(p + t) * half + i) * 2;
     const float c = cs[0], s = cs[1];
     const float a = x[base + ia], b = x[base + ib];
     y[base + ia] = a * c - b * s;

@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import MinferError
 
-DECODE_PROMPT = 16     # tokens prefilled before the timed decode steps
+DECODE_DEPTH = 16      # default tokens in the KV cache before the timed decode steps
 
 
 # --- timing -------------------------------------------------------------------
@@ -48,12 +48,14 @@ def time_prefill(engine, cache, tokens: np.ndarray, timer, logits_from: int | No
 
 
 def time_decode(engine, cache, prompt: np.ndarray, n: int, timer) -> float:
-    """Prefill `prompt` (untimed), then seconds for n greedy single-token decode steps."""
-    logits = engine.model.forward(prompt, 0, cache)[-1]
+    """Prefill `prompt` (untimed), then seconds for n greedy decode steps as `minfer
+    generate` runs them (Transformer.decode_greedy: on the CUDA backend, replays of
+    the step's CUDA graph after its first two uses on a cache)."""
+    token = int(np.argmax(engine.model.forward(prompt, 0, cache)[-1]))
     pos = len(prompt)
     timer.start()
     for _ in range(n):
-        logits = engine.model.decode(int(np.argmax(logits)), pos, cache)
+        token = engine.model.decode_greedy(token, pos, cache)
         pos += 1
     return timer.stop()
 
@@ -68,13 +70,13 @@ def summary(n_tokens: int, seconds: list[float]) -> dict:
 
 # --- the command ----------------------------------------------------------------
 
-def parse_lengths(s: str) -> list[int]:
+def parse_lengths(s: str, flag: str = "-p") -> list[int]:
     try:
         v = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise MinferError(f"-p expects comma-separated token counts like 512,3325, got {s!r}") from None
+        raise MinferError(f"{flag} expects comma-separated token counts like 512,3325, got {s!r}") from None
     if not v or min(v) < 1:
-        raise MinferError(f"-p expects positive token counts, got {s!r}")
+        raise MinferError(f"{flag} expects positive token counts, got {s!r}")
     return v
 
 
@@ -85,19 +87,23 @@ def add_arguments(p) -> None:
     p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions per test (default 5)")
     p.add_argument("-n", "--n-decode", type=int, default=128,
                    help="decode steps for the tg test (0: none; default 128)")
+    p.add_argument("-d", "--n-depth", default=str(DECODE_DEPTH),
+                   help=f"comma-separated tokens in the KV cache before each tg test (default "
+                        f"{DECODE_DEPTH}); a test at another depth is named like llama-bench's 'tg128 @ d3325'")
     p.add_argument("--backend", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed: int = 0) -> dict:
+def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed: int = 0,
+        depths: tuple[int, ...] = (DECODE_DEPTH,)) -> dict:
     from .engine import Engine
 
     if reps < 1:
         raise MinferError(f"-r must be at least 1, got {reps}")
     if n_decode < 0:
         raise MinferError(f"-n must be 0 or more, got {n_decode}")
-    n_ctx = max(max(lengths), DECODE_PROMPT + n_decode)
+    n_ctx = max(max(lengths), max(depths) + n_decode)
     t0 = time.perf_counter()
     engine = Engine.load(model, backend=backend, n_ctx=n_ctx, progress=False)
     engine.backend.synchronize()
@@ -108,19 +114,21 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
     vocab = engine.cfg.vocab_size
 
     prompts = {P: prompt_ids(vocab, P, seed + i) for i, P in enumerate(lengths)}
-    dprompt = prompt_ids(vocab, DECODE_PROMPT, seed + len(lengths))
+    dprompts = {d: prompt_ids(vocab, d, seed + len(lengths) + i) for i, d in enumerate(depths)}
     for tokens in prompts.values():                                     # warm-up, untimed:
         for _ in range(2):                                              # eager, then capture
             time_prefill(engine, cache, tokens, timer)
     if n_decode:
-        time_decode(engine, cache, dprompt, min(n_decode, 4), timer)
+        for dprompt in dprompts.values():
+            time_decode(engine, cache, dprompt, min(n_decode, 4), timer)
     be.reset_counters()                        # count the timed launches only
 
     tests = {}
     for P, tokens in prompts.items():
         tests[f"pp{P}"] = summary(P, [time_prefill(engine, cache, tokens, timer) for _ in range(reps)])
-    if n_decode:
-        tests[f"tg{n_decode}"] = summary(
+    for d, dprompt in dprompts.items() if n_decode else ():
+        name = f"tg{n_decode}" + ("" if d == DECODE_DEPTH else f" @ d{d}")
+        tests[name] = summary(
             n_decode, [time_decode(engine, cache, dprompt, n_decode, timer) for _ in range(reps)])
 
     gf = engine.gf
@@ -174,7 +182,7 @@ def format_report(r: dict) -> str:
 
 def main(args) -> int:
     r = run(args.model, parse_lengths(args.prompt_lengths), args.reps, args.n_decode,
-            args.backend, args.seed)
+            args.backend, args.seed, tuple(parse_lengths(args.n_depth, "-d")))
     print(json.dumps(r) if args.json else format_report(r))
     problem = (r.get("memory_check") or {}).get("problem")
     if problem:

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Event-timed micro-benchmarks of the f16 prefill ops at the 7B's shapes.
 
-    python scripts/bench_ops.py [-t 512,3325]
+    python scripts/bench_ops.py [-t 512,3325] [--matvec-only]
 
 Per weight of a DeepSeek-R1-Distill-Qwen-7B layer (d 3584, d_ff 18944, 28 query /
 4 KV heads of 128): the f16 dequantization (GB/s; q6_K also from a W_exp plane),
 the cuBLAS GEMM into f32 and f16 outputs (TFLOP/s), and the flash attention
 (TFLOP/s over the causal half), then the sum over 28 layers as an upper bound
-on the prefill rate before norms, RoPE, SwiGLU and the LM head. Medians of 20
-CUDA-event timings after 3 warm-ups; random bytes with finite scales.
+on the prefill rate before norms, RoPE, SwiGLU and the LM head. Then the decode
+matvecs at the 7B's shapes: GB/s of weight bytes read, beside a device-to-device
+copy measured in the same process (the bandwidth decode can hope for). Medians
+of 20 CUDA-event timings after 3 warm-ups; random bytes with finite scales.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from gguf import GGMLQuantizationType as QT
 from minfer.backend.cuda.attention import FA_HD, flash_attention
 from minfer.backend.cuda.cublas import gemm_f16
 from minfer.backend.cuda.f16 import dequant_f16
+from minfer.backend.cuda.int8 import matvec
 from minfer.backend.cuda.nvrtc import K
 
 N_LAYER, N_HEAD, N_KV = 28, 28, 4
@@ -68,12 +71,40 @@ def random_weight(cp, qtype, n_out: int, n_in: int):
     return raw.reshape(-1)
 
 
+# decode matvecs of one 7B token: (name, type, n_out, n_in)
+MATVEC = (("attn_k", QT.Q4_K, 512, 3584), ("attn_v", QT.Q6_K, 512, 3584),
+          ("attn_q", QT.Q4_K, 3584, 3584), ("ffn_gate", QT.Q4_K, 18944, 3584),
+          ("ffn_down", QT.Q6_K, 3584, 18944), ("ffn_down q4_K", QT.Q4_K, 3584, 18944),
+          ("output", QT.Q6_K, 152064, 3584))
+
+
+def bench_matvec(cp) -> None:
+    src = cp.empty(1 << 30, cp.uint8)
+    dst = cp.empty_like(src)
+    copy_gbs = 2 * src.nbytes / time_ms(cp, lambda: dst.__setitem__(Ellipsis, src)) / 1e6
+    del src, dst
+    print(f"device-to-device copy: {copy_gbs:,.0f} GB/s (read + write)")
+    print(f"{'matvec':<22}{'shape':>16}{'us':>9}{'GB/s':>8}{'of copy':>9}")
+    for name, qt, n_out, n_in in MATVEC:
+        raw = random_weight(cp, qt, n_out, n_in).reshape(n_out, -1)
+        x = cp.random.standard_normal((1, n_in), dtype=cp.float32)
+        y = cp.empty((1, n_out), cp.float32)
+        ms = time_ms(cp, lambda: matvec(qt, x, raw, n_out, None, y))
+        gbs = raw.nbytes / ms / 1e6
+        print(f"{name:<22}{f'{n_in}->{n_out}':>16}{ms * 1e3:9.1f}{gbs:8.0f}{gbs / copy_gbs:9.0%}")
+
+
 def main() -> int:
     import cupy as cp
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-t", "--tokens", default="512,3325")
-    tokens = [int(t) for t in ap.parse_args().tokens.split(",")]
+    ap.add_argument("--matvec-only", action="store_true", help="only the decode matvecs")
+    a = ap.parse_args()
+    bench_matvec(cp)
+    if a.matvec_only:
+        return 0
+    tokens = [int(t) for t in a.tokens.split(",")]
     w16 = cp.empty(18944 * 3584, cp.float16)                          # the largest weight, f16
     print(f"{'op':<30}{'ms':>9}{'GB/s':>9}{'TFLOP/s':>9}")
     deq_ms = {}

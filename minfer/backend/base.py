@@ -101,6 +101,17 @@ class Backend(ABC):
     def to_numpy(self, x) -> np.ndarray:
         """-> float32 host array"""
 
+    def greedy(self, logits):
+        """logits (1, vocab) -> [the first index of the maximum, 1 if every logit is
+        finite else 0], as the backend's (2,) int array"""
+        return np.array([int(np.argmax(logits)), int(np.isfinite(logits).all())], np.int32)
+
+    def decode(self, cache, step, token: int, pos: int) -> tuple[int, bool]:
+        """step(tokens (1,), pos) -> greedy (2,) for one decode step; a backend may
+        keep token and position in device memory and replay the step. -> (next id, finite)"""
+        out = step(np.array([token], dtype=np.int32), pos)
+        return int(out[0]), bool(out[1])
+
     def captured(self, cache, key, fn, x):
         """fn(x) -> y: device work that a backend may record once and replay when
         the same key comes again for this cache (CUDA graphs). The CPU runs fn(x)."""

@@ -38,8 +38,10 @@ class Transformer:
             x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
             return be.to_numpy(be.linear(x, w.output))                       # (n, vocab)
 
-    def blocks(self, x, pos0: int, cache):
-        """The decoder layers: x (T, d) at positions pos0.. -> (T, d); fills the cache."""
+    def blocks(self, x, pos0, cache):
+        """The decoder layers: x (T, d) at positions pos0.. -> (T, d); fills the cache.
+        pos0 is an int, or in a decode step whatever position the backend's decode
+        hands its step (a position held in device memory on the GPU)."""
         cfg, be = self.cfg, self.be
         T, hd = x.shape[0], cfg.head_dim
         for i, L in enumerate(self.w.layers):
@@ -60,5 +62,28 @@ class Transformer:
         return self.forward(tokens, 0, cache)[-1]
 
     def decode(self, token: int, pos: int, cache) -> np.ndarray:
-        """One token at position pos -> logits (vocab,)."""
+        """One token at position pos -> logits (vocab,) (teacher forcing, tests)."""
         return self.forward(np.array([token], dtype=np.int32), pos, cache)[-1]
+
+    def decode_greedy(self, token: int, pos: int, cache) -> int:
+        """One greedy decode step: token at position pos -> the next token id. The
+        argmax is taken on the backend, so only the id comes back; the backend may
+        replay the step from a CUDA graph (Backend.decode)."""
+        cfg, be, w = self.cfg, self.be, self.w
+        if not 0 <= token < cfg.vocab_size:
+            raise MinferError(f"token id {token} out of range [0, {cfg.vocab_size})")
+        if not 0 <= pos < cache.n_ctx:
+            raise MinferError(f"position {pos} does not fit the context of {cache.n_ctx}")
+
+        def step(tokens, p):        # tokens (1,) and position p, as the backend holds them
+            x = be.embed(w.token_embd, tokens)                               # (1, d)
+            x = self.blocks(x, p, cache)
+            x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
+            return be.greedy(be.linear(x, w.output))                         # [id, finite]
+
+        with be.guard("running the model"):
+            nxt, finite = be.decode(cache, step, token, pos)
+        if not finite:
+            raise MinferError(f"the model produced non-finite logits (NaN or Inf) at position {pos}; "
+                              f"its weights may be damaged")
+        return nxt

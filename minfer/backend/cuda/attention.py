@@ -1,8 +1,11 @@
 """Causal GQA attention over a layer's KV cache, one wrapper per kernel:
 
     attention_f32    kernels/attention.cu   f32 cache, tiled online softmax (head dims 64, 128)
+    store_kv_f16     kernels/decode_attn.cu k, v f32 -> f16 cache rows at a host or device position
     flash_attention  kernels/flash_attn.cu  f16 cache, tensor-core mma.m16n8k16 (head dim 128)
-    attention_f16    store_kv_f16 + cast of q + flash_attention
+    decode_attention kernels/decode_attn.cu one query row over the f16 cache, split over the
+                                            keys (flash-decoding), position from device memory
+    attention_f16    store_kv_f16, then flash_attention (T > 1) or decode_attention (T == 1)
 
 Both compute softmax(q k^T / sqrt(hd)) v over keys 0..pos0+t for query t, query
 head h reading KV head h // (n_head / n_kv), streaming key tiles (no T x T
@@ -17,10 +20,13 @@ import numpy as np
 
 from ...errors import MinferError
 from .f16 import cast_f16
-from .launch import blocks_1d, check, cp, kernel, out_array, scratch_view
+from .launch import (DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, cp, kernel, out_array,
+                     pos_args, pos_value, scratch_view)
 from .nvrtc import K
 
 FA_HD = K["FA_HD"]
+DEC_MAX_G = K["DEC_MAX_G"]                  # query heads per KV head that decode_attention takes
+_SCALE_LOG2 = math.log2(math.e) / math.sqrt(FA_HD)   # scores in the log2 domain (exp2f)
 F32_HEAD_DIMS = (64, 128)                   # the instantiations of attention.cu
 _F32_INSTANCES = tuple(f"attention_f32<{hd}>" for hd in F32_HEAD_DIMS)
 
@@ -56,19 +62,24 @@ def attention_f32(q, k, v, k_cache, v_cache, pos0: int, out=None):
     return y
 
 
-def store_kv_f16(k, v, k_cache, v_cache, pos0: int) -> None:
-    """k, v (T, n_kv, hd) f32 -> rows pos0..pos0+T-1 of one layer's f16 caches
-    k_cache, v_cache (n_ctx, n_kv, hd)."""
-    check(k_cache, "store_kv_f16 k_cache", cp.float16, ndim=3)
+def store_kv_f16(k, v, k_cache, v_cache, pos) -> None:
+    """k, v (T, n_kv, hd) f32 -> rows pos..pos+T-1 of one layer's f16 caches
+    k_cache, v_cache (n_ctx, n_kv, hd); pos an int or a launch.DevicePos."""
+    check(k_cache, "store_kv_f16 k_cache", cp.float16, ndim=3, align16=True)
     n_ctx = k_cache.shape[0]
-    check(v_cache, "store_kv_f16 v_cache", cp.float16, k_cache.shape)
+    check(v_cache, "store_kv_f16 v_cache", cp.float16, k_cache.shape, align16=True)
     T = k.shape[0]
     for a, nm in ((k, "k"), (v, "v")):
-        check(a, f"store_kv_f16 {nm}", cp.float32, (T,) + k_cache.shape[1:])
+        check(a, f"store_kv_f16 {nm}", cp.float32, (T,) + k_cache.shape[1:], align16=True)
+    pos0 = pos_value(pos)
     if pos0 < 0 or pos0 + T > n_ctx:
         raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {n_ctx}")
-    for a, c in ((k, k_cache), (v, v_cache)):
-        cast_f16(a, c[pos0:pos0 + T])        # a contiguous run of rows: a view, no copy
+    row = k_cache.shape[1] * k_cache.shape[2]
+    n4 = T * row // 4
+    if n4:
+        kernel("decode_attn.cu", "store_kv_f16")((min(blocks_1d(n4), MAX_GRID_1D),), (THREADS_1D,),
+                                                 (k, v, k_cache, v_cache, np.int64(n4), np.int32(row),
+                                                  *pos_args(pos)))
 
 
 def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
@@ -86,18 +97,46 @@ def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
     _check_heads(n_head, n_kv, T, pos0, n_ctx, "flash_attention")
     out = out_array(out, (T, n_head * FA_HD), "flash_attention out", align16=True)
     if T:
-        scale_log2 = math.log2(math.e) / math.sqrt(FA_HD)   # scores in the log2 domain (exp2f)
         kernel("flash_attn.cu", "flash_attn_f16")(
             (blocks_1d(T, K["FA_BQ"]), n_head), (32 * K["FA_WARPS"],),
             (q16, k_cache, v_cache, out, np.int32(T), np.int32(n_head), np.int32(n_kv),
-             np.int32(pos0), np.float32(scale_log2)))
+             np.int32(pos0), np.float32(_SCALE_LOG2)))
     return out
 
 
-def attention_f16(q, k, v, k_cache, v_cache, pos0: int, out=None, q16=None):
+def decode_attention(q, k_cache, v_cache, pos, out=None):
+    """One query row: q (1, n_head, 128) f32; k_cache, v_cache (n_ctx, n_kv, 128) f16
+    holding positions 0..pos (an int or a launch.DevicePos) -> out (1, n_head*128) f32."""
+    check(q, "decode_attention q", cp.float32, ndim=3, align16=True)
+    if q.shape[0] != 1 or q.shape[2] != FA_HD:
+        raise ValueError(f"decode_attention: q has shape {q.shape}, expected (1, n_head, {FA_HD})")
+    n_head = q.shape[1]
+    check(k_cache, "decode_attention k_cache", cp.float16, ndim=3, align16=True)
+    check(v_cache, "decode_attention v_cache", cp.float16, k_cache.shape, align16=True)
+    n_ctx, n_kv, _ = k_cache.shape
+    _check_heads(n_head, n_kv, 1, pos_value(pos), n_ctx, "decode_attention")
+    if n_head // n_kv > DEC_MAX_G:
+        raise MinferError(f"{n_head // n_kv} query heads per KV head: the decode attention "
+                          f"kernel takes at most {DEC_MAX_G}")
+    out = out_array(out, (1, n_head * FA_HD), "decode_attention out", align16=True)
+    part = cp.empty((n_head, K["DEC_SPLITS"], FA_HD + 2), cp.float32)   # (n_head, splits, 130)
+    kernel("decode_attn.cu", "attn_decode_f16")(
+        (n_kv, K["DEC_SPLITS"]), (32 * K["DEC_WARPS"],),
+        (q, k_cache, v_cache, part, np.int32(n_head), np.int32(n_kv), *pos_args(pos),
+         np.float32(_SCALE_LOG2)))
+    kernel("decode_attn.cu", "attn_decode_combine")((n_head,), (FA_HD,), (part, out))
+    return out
+
+
+def attention_f16(q, k, v, k_cache, v_cache, pos, out=None, q16=None):
     """q (T, n_head, 128), k/v (T, n_kv, 128) f32: stores k/v into the f16 caches at
-    pos0.., rounds q into the f16 scratch q16 (>= T*n_head*128), then flash_attention
-    -> (T, n_head*128) f32."""
-    store_kv_f16(k, v, k_cache, v_cache, pos0)
+    pos.., then attention -> (T, n_head*128) f32. One row (decode) reads q in f32
+    (decode_attention; pos may be a launch.DevicePos); longer prompts round q into
+    the f16 scratch q16 (>= T*n_head*128) for the tensor-core flash_attention."""
+    store_kv_f16(k, v, k_cache, v_cache, pos)
+    if q.shape[0] == 1:
+        return decode_attention(q, k_cache, v_cache, pos, out)
+    if isinstance(pos, DevicePos):
+        raise ValueError("attention_f16: a device position is for one-row (decode) steps")
     qh = cast_f16(q, scratch_view(q16, q.shape, "attention_f16 q16", cp.float16))   # (T, n_head, 128)
-    return flash_attention(qh, k_cache, v_cache, pos0, out)
+    return flash_attention(qh, k_cache, v_cache, pos, out)

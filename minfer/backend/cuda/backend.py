@@ -22,7 +22,7 @@ from . import attention, ops
 from .gemm import Gemms
 from .graphs import GraphRunner
 from .int8 import dequant_rows
-from .launch import cp, is_oom, require_cupy
+from .launch import DevicePos, cp, is_oom, pos_value, require_cupy
 from .settings import CudaSettings
 from .weights import WeightStore, expected_plane_bytes, plane_check
 
@@ -73,6 +73,9 @@ class CUDABackend(Backend):
         if cfg.head_dim not in attention.F32_HEAD_DIMS:
             raise MinferError(f"head dimension {cfg.head_dim} is not supported by the CUDA attention "
                               f"kernels (supported: {', '.join(map(str, attention.F32_HEAD_DIMS))})")
+        if cfg.head_dim == attention.FA_HD and cfg.n_head // cfg.n_head_kv > attention.DEC_MAX_G:
+            raise MinferError(f"{cfg.n_head // cfg.n_head_kv} query heads per KV head: the CUDA decode "
+                              f"attention takes at most {attention.DEC_MAX_G}")
         self._settings = settings or CudaSettings.from_env()
         self.store = WeightStore(self._settings)
         self.gemm = Gemms(self.store, self._settings)
@@ -133,12 +136,15 @@ class CUDABackend(Backend):
         return cache
 
     # --- ops -----------------------------------------------------------------
-    def embed(self, table, tokens: np.ndarray):
-        """table handle, tokens int32 (T,) host -> x (T, d), bit-identical to quants.dequantize_rows"""
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
-            raise MinferError(f"token id out of range [0, {self.cfg.vocab_size})")
-        return dequant_rows(table.qtype, table.data, table.n_in, cp.asarray(tokens))
+    def embed(self, table, tokens):
+        """table handle, tokens int32 (T,) (host, or on the device in a decode step, checked
+        by the caller) -> x (T, d), bit-identical to quants.dequantize_rows"""
+        if not isinstance(tokens, cp.ndarray):
+            tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+            if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+                raise MinferError(f"token id out of range [0, {self.cfg.vocab_size})")
+            tokens = cp.asarray(tokens)
+        return dequant_rows(table.qtype, table.data, table.n_in, tokens)
 
     def linear(self, x, w, bias=None, out=None):
         return self.gemm.linear(x, w, bias=bias, out=out)
@@ -154,10 +160,11 @@ class CUDABackend(Backend):
     def rmsnorm(self, x, w, eps: float, out=None):
         return ops.rmsnorm(x, w, eps, out=out)
 
-    def rope(self, x, pos0: int, out=None):
-        if self._cos_sin is None or pos0 + x.shape[0] > self._cos_sin.shape[0]:
+    def rope(self, x, pos0, out=None):
+        end = pos_value(pos0) + x.shape[0]
+        if self._cos_sin is None or end > self._cos_sin.shape[0]:
             have = 0 if self._cos_sin is None else self._cos_sin.shape[0]
-            raise MinferError(f"RoPE positions up to {pos0 + x.shape[0]} exceed the "
+            raise MinferError(f"RoPE positions up to {end} exceed the "
                               f"{have} positions prepared by new_cache")
         if x.shape[-1] != self.cfg.head_dim:
             raise ValueError(f"rope: head dim {x.shape[-1]}, model has {self.cfg.head_dim}")
@@ -177,6 +184,9 @@ class CUDABackend(Backend):
     def add(self, a, b, out=None):
         return ops.add(a, b, out=out)
 
+    def greedy(self, logits):
+        return ops.argmax(logits)
+
     def rows(self, x, start: int, stop: int):
         return x[start:stop]          # contiguous: a range of whole rows
 
@@ -189,11 +199,29 @@ class CUDABackend(Backend):
     # --- CUDA graphs ---------------------------------------------------------
     def captured(self, cache, key, fn, x):
         """fn(x), eager on a key's first use, captured on its second, replayed after
-        (graphs.py). A decode step (one token) always runs eagerly: its position
-        never repeats within a generation."""
+        (graphs.py). A single-token forward runs eagerly: its position never repeats
+        within a generation (the greedy decode step has its own graph: decode)."""
         if not self._settings.graphs or self.graphs.failed or x.shape[0] == 1:
             return fn(x)
         return self.graphs.run(cache.graphs, (key, self._settings), fn, x)
+
+    def decode(self, cache, step, token: int, pos: int) -> tuple[int, bool]:
+        """step(token, pos) on the device, with token and position in a device buffer
+        that the kernels read: captured into a CUDA graph per cache on its second
+        use and replayed from then on (graphs.py), so one step costs one launch
+        and two tiny copies. The f32 KV cache (head dims other than 128) runs eagerly."""
+        inp = cp.asarray(np.array([token, pos], dtype=np.int32))                # (2,)
+
+        def fn(x):
+            return step(x[0:1], DevicePos(pos, x[1:2]))
+        if cache.k.dtype != cp.float16:          # the f32 attention takes host positions
+            out = step(inp[0:1], pos)
+        elif not self._settings.graphs or self.graphs.failed:
+            out = fn(inp)
+        else:
+            out = self.graphs.run(cache.graphs, (("decode",), self._settings), fn, inp)
+        nxt, finite = (int(v) for v in out.get())
+        return nxt, bool(finite)
 
     def _graph_keep_alive(self) -> tuple:
         return (self.gemm.scratch(), self._cos_sin)

@@ -5,7 +5,7 @@
     mmq_q6k        kernels/mmq.cu       q8_1 x @ q6_K W^T; with a W_exp plane, B is staged
                                         by cp.async from the plane (EXP=true), else the
                                         padded blocks are expanded in the kernel (EXP=false)
-    matvec_q4k/q6k kernels/matvec.cu    x f32 (1, K) @ W^T, one warp per output row
+    matvec         kernels/matvec.cu    x f32 (1, K) @ W^T, MV_RPW output rows per warp
     dequant_rows   kernels/dequant.cu   selected rows of a table (the embedding), bit-identical
                                         to minfer.quants.dequantize_rows
 """
@@ -20,7 +20,7 @@ from .nvrtc import K
 
 QK_K = K["QK_K"]
 MMQ_BM, MMQ_BN, MMQ_THREADS, MMQ_KDR = K["MMQ_BM"], K["MMQ_BN"], K["MMQ_THREADS"], K["MMQ_KDR"]
-MV_ROWS = K["MV_ROWS"]
+MV_ROWS_PER_BLOCK = K["MV_WARPS"] * K["MV_RPW"]
 _MMQ = (f"mmq_q4k<{MMQ_KDR}>", f"mmq_q6k_bt<{MMQ_KDR}, true>", f"mmq_q6k_bt<{MMQ_KDR}, false>")
 
 # device bytes of one 256-element super-block of a weight row, as registered
@@ -97,7 +97,7 @@ def matvec(qtype, x, w, od: int, bias=None, y=None):
         check(bias, f"{name} bias", cp.float32, (od,))
     y = out_array(y, (1, od), f"{name} y")                            # (1, od)
     if od:
-        kernel("matvec.cu", name)((blocks_1d(od, MV_ROWS),), (MV_ROWS * 32,),
+        kernel("matvec.cu", name)((blocks_1d(od, MV_ROWS_PER_BLOCK),), (K["MV_WARPS"] * 32,),
                                   (w, x, or_null(bias), y, np.int32(od), np.int32(n)))
     return y
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -73,6 +74,26 @@ def scratch_view(scratch, shape, what: str, dtype):
     if scratch.size < n:
         raise ValueError(f"{what}: scratch holds {scratch.size} elements, {n} needed for {tuple(shape)}")
     return scratch.reshape(-1)[:n].reshape(shape)
+
+
+@dataclass(frozen=True)
+class DevicePos:
+    """A position that kernels read from device memory, so that a captured decode
+    step replays at whatever position the buffer holds. `value` is the position
+    when the work was queued (for host-side checks, which a replay does not run)."""
+    value: int
+    buf: object                          # cupy int32 (1,)
+
+
+def pos_args(pos) -> tuple:
+    """A position (int or DevicePos) -> the (pos0, pos_dev) kernel arguments."""
+    if isinstance(pos, DevicePos):
+        return np.int32(pos.value), pos.buf
+    return np.int32(pos), NULL
+
+
+def pos_value(pos) -> int:
+    return pos.value if isinstance(pos, DevicePos) else int(pos)
 
 
 def or_null(a):

@@ -34,8 +34,10 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MMQ_KDR": 2,
     "MMQ_NST": 3,
     "MMQ_THREADS": 256,
-    # matvec (matvec.cu): one warp per output row
-    "MV_ROWS": 8,
+    # matvec (matvec.cu): MV_RPW output rows per warp (sharing the loads of x),
+    # MV_WARPS warps per block
+    "MV_RPW": 4,
+    "MV_WARPS": 4,
     # rmsnorm (norm.cu): one block per row
     "NORM_THREADS": 256,
     # f32 attention (attention.cu): ATT_BQ query rows per block, keys in tiles of ATT_BK
@@ -47,6 +49,14 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "FA_BQ": 64,
     "FA_BK": 64,
     "FA_WARPS": 4,
+    # one-query (decode) attention (decode_attn.cu): the keys split DEC_SPLITS ways
+    # per KV head, DEC_WARPS warps per split (DEC_WARPS * 32 == FA_HD), up to
+    # DEC_MAX_G query heads per KV head
+    "DEC_SPLITS": 32,
+    "DEC_WARPS": 4,
+    "DEC_MAX_G": 8,
+    # greedy selection (argmax.cu): one block
+    "ARGMAX_THREADS": 1024,
 }
 K = KERNEL_CONSTANTS
 

@@ -4,12 +4,13 @@
     rope     kernels/rope.cu         one thread per rotated pair, cos/sin from rope_table
     swiglu   kernels/elementwise.cu  grid-stride, one element per thread
     add      kernels/elementwise.cu  grid-stride (residual add; out may be a)
+    argmax   kernels/argmax.cu       greedy id and an all-finite flag, one block
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .launch import blocks_1d, check, cp, kernel, launch_grid_stride, out_array
+from .launch import blocks_1d, check, cp, kernel, launch_grid_stride, out_array, pos_args, pos_value
 from .nvrtc import K
 
 
@@ -34,14 +35,15 @@ def rmsnorm(x, w, eps: float, out=None):
     return y
 
 
-def rope(x, cos_sin, pos0: int, neox: bool, out=None):
-    """x (T, n_heads, hd) at positions pos0.., cos_sin (n_pos, hd/2, 2) ->
-    rotated (T, n_heads, hd); NeoX halves or adjacent pairs; out may be x"""
+def rope(x, cos_sin, pos, neox: bool, out=None):
+    """x (T, n_heads, hd) at positions pos.. (an int or a launch.DevicePos), cos_sin
+    (n_pos, hd/2, 2) -> rotated (T, n_heads, hd); NeoX halves or adjacent pairs; out may be x"""
     check(x, "rope x", cp.float32, ndim=3)
     check(cos_sin, "rope cos_sin", cp.float32, ndim=3)
     T, n_heads, hd = x.shape
     if hd % 2 or cos_sin.shape[1:] != (hd // 2, 2):
         raise ValueError(f"rope: table {cos_sin.shape} does not fit head dim {hd}")
+    pos0 = pos_value(pos)
     if pos0 < 0 or pos0 + T > cos_sin.shape[0]:
         raise ValueError(f"rope: positions {pos0}..{pos0 + T - 1} outside the table of {cos_sin.shape[0]}")
     y = out_array(out, x.shape, "rope out")                                  # (T, n_heads, hd)
@@ -49,7 +51,7 @@ def rope(x, cos_sin, pos0: int, neox: bool, out=None):
     if n_pairs:
         kernel("rope.cu", "rope_f32")((blocks_1d(n_pairs),), (K["THREADS_1D"],),
                                       (x, y, cos_sin, np.int32(T), np.int32(n_heads), np.int32(hd),
-                                       np.int32(pos0), np.int32(bool(neox))))
+                                       *pos_args(pos), np.int32(bool(neox))))
     return y
 
 
@@ -71,3 +73,12 @@ def add(a, b, out=None):
     y = _same_shape_f32(a, b, "add", out)
     launch_grid_stride("elementwise.cu", "add_f32", a.size, (a, b, y))
     return y
+
+
+def argmax(logits, out=None):
+    """logits f32 (1, n) or (n,) -> int32 (2,) on the device: [the first index of the
+    maximum, 1 if every logit is finite else 0]"""
+    check(logits, "argmax logits", cp.float32)
+    out = out_array(out, (2,), "argmax out", cp.int32)
+    kernel("argmax.cu", "argmax_f32")((1,), (K["ARGMAX_THREADS"],), (logits, np.int32(logits.size), out))
+    return out

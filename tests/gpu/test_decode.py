@@ -1,0 +1,160 @@
+"""The greedy decode step on the GPU: its kernels against NumPy (one-row attention
+split over the keys, the f16 KV store, RoPE and argmax with the position or the
+result in device memory), and the captured step against the eager one.
+
+Every output buffer is poisoned with NaN first, so an element a kernel forgets to
+write fails the comparison."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+def _dev_pos(cp, p: int):
+    from minfer.backend.cuda.launch import DevicePos
+    return DevicePos(p, cp.asarray(np.array([p], np.int32)))
+
+
+def _attn_ref(q, kc, vc, n_keys: int) -> np.ndarray:
+    """q (n_head, hd) f64, caches (n_ctx, n_kv, hd) -> (n_head*hd,) over keys 0..n_keys-1."""
+    n_head, hd = q.shape
+    G = n_head // kc.shape[1]
+    out = np.empty((n_head, hd))
+    for h in range(n_head):
+        K, V = kc[:n_keys, h // G].astype(np.float64), vc[:n_keys, h // G].astype(np.float64)
+        s = K @ q[h] / np.sqrt(hd)
+        p = np.exp(s - s.max())
+        out[h] = p @ V / p.sum()
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("n_head,n_kv", [(28, 4), (12, 2), (4, 2), (8, 8)])
+@pytest.mark.parametrize("pos", [0, 1, 37, 300, 1500])
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_pos", "device_pos"])
+def test_decode_attention_vs_reference(cp, n_head, n_kv, pos, on_device):
+    from minfer.backend.cuda.attention import decode_attention
+    rng = np.random.default_rng([n_head, n_kv, pos])
+    n_ctx = pos + 5
+    kc = rng.standard_normal((n_ctx, n_kv, 128)).astype(np.float16)
+    vc = rng.standard_normal((n_ctx, n_kv, 128)).astype(np.float16)
+    kc[pos + 1:] = np.nan                      # past the position: never read
+    vc[pos + 1:] = np.nan
+    q = (rng.standard_normal((1, n_head, 128)) * 2.0).astype(np.float32)
+    out = cp.full((1, n_head * 128), np.nan, cp.float32)
+    p = _dev_pos(cp, pos) if on_device else pos
+    decode_attention(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), p, out)
+    want = _attn_ref(q[0].astype(np.float64), kc, vc, pos + 1)
+    got = cp.asnumpy(out)[0]
+    # f32 scores, softmax and sums over at most 1501 keys of magnitude ~1
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(vc[:pos + 1]).max(), np.abs(got - want).max()
+
+
+def test_decode_attention_rejects_large_groups(cp):
+    from minfer.backend.cuda.attention import decode_attention
+    from minfer.errors import MinferError
+    kc = cp.zeros((4, 1, 128), cp.float16)
+    with pytest.raises(MinferError, match="at most 8"):
+        decode_attention(cp.zeros((1, 9, 128), cp.float32), kc, kc, 2)
+
+
+@pytest.mark.parametrize("T,pos", [(1, 0), (1, 9), (5, 3), (33, 0)])
+def test_store_kv_at_device_position(cp, T, pos):
+    from minfer.backend.cuda.attention import store_kv_f16
+    rng = np.random.default_rng([T, pos])
+    n_ctx, n_kv = 40, 3
+    k = rng.standard_normal((T, n_kv, 128)).astype(np.float32)
+    v = rng.standard_normal((T, n_kv, 128)).astype(np.float32)
+    kc = cp.full((n_ctx, n_kv, 128), np.nan, cp.float16)
+    vc = cp.full((n_ctx, n_kv, 128), np.nan, cp.float16)
+    store_kv_f16(cp.asarray(k), cp.asarray(v), kc, vc, _dev_pos(cp, pos))
+    got_k, got_v = cp.asnumpy(kc), cp.asnumpy(vc)
+    assert np.array_equal(got_k[pos:pos + T].view(np.uint16), k.astype(np.float16).view(np.uint16))
+    assert np.array_equal(got_v[pos:pos + T].view(np.uint16), v.astype(np.float16).view(np.uint16))
+    assert np.isnan(got_k[:pos]).all() and np.isnan(got_k[pos + T:]).all()   # nothing else written
+
+
+def test_rope_device_position_equals_host_position(cp):
+    from minfer.backend.cuda import ops
+    rng = np.random.default_rng(5)
+    table = cp.asarray(ops.rope_table(64, 128, 10000.0))
+    x = cp.asarray(rng.standard_normal((1, 7, 128)).astype(np.float32))
+    for neox in (True, False):
+        want = cp.asnumpy(ops.rope(x, table, 41, neox))
+        got = cp.asnumpy(ops.rope(x, table, _dev_pos(cp, 41), neox))
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("n", [1, 31, 1024, 1025, 152064])
+def test_argmax_first_maximum_and_finite_flag(cp, n):
+    from minfer.backend.cuda import ops
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal(n).astype(np.float32)
+    if n > 3:
+        x[[n // 3, n - 1]] = x.max() + 1.0        # a tie: the first index wins, as numpy's
+    got = cp.asnumpy(ops.argmax(cp.asarray(x[None, :])))
+    assert got.tolist() == [int(np.argmax(x)), 1]
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[n // 2] = bad
+        assert cp.asnumpy(ops.argmax(cp.asarray(y)))[1] == 0
+
+
+@pytest.fixture(scope="module")
+def engine(synth_dir):
+    from minfer.engine import Engine
+    from minfer.synth import synth_model
+    return Engine.load(synth_model(synth_dir), backend="cuda", n_ctx=256, progress=False)
+
+
+def _greedy_ids(engine, prompt, n: int, cache) -> list[int]:
+    m = engine.model
+    tok = int(np.argmax(m.forward(prompt, 0, cache)[-1]))
+    out, pos = [tok], len(prompt)
+    for _ in range(n - 1):
+        tok = m.decode_greedy(tok, pos, cache)
+        out.append(tok)
+        pos += 1
+    return out
+
+
+def test_captured_decode_equals_eager_and_counts(engine):
+    """The step is eager on a cache's first use, captured on its second and replayed
+    after: the same ids as an all-eager run, the same ids as the logits' argmax of
+    the eager single-token forward, and every replay counts its launches."""
+    be = engine.backend
+    prompt = np.random.default_rng(3).integers(0, engine.cfg.vocab_size, 21).astype(np.int32)
+    with be.using(graphs=False):
+        eager = _greedy_ids(engine, prompt, 24, engine.new_cache())
+    # the argmax of the logits that the plain forward returns, step by step
+    cache = engine.new_cache()
+    ref = [int(np.argmax(engine.model.forward(prompt, 0, cache)[-1]))]
+    for i in range(23):
+        ref.append(int(np.argmax(engine.model.decode(ref[-1], len(prompt) + i, cache))))
+    assert eager == ref
+    cache = engine.new_cache()
+    be.reset_counters()
+    graphed = _greedy_ids(engine, prompt, 24, cache)
+    c = be.counters()
+    assert graphed == eager
+    assert c["graph replays"] == 22          # 23 steps: eager, capture + replay, 21 replays
+    n_layer = engine.cfg.n_layer
+    assert c["q4k_mv"] + c["q6k_mv"] >= 23 * 7 * n_layer   # every step's matvecs are counted
+    (key,) = [k for k in cache.graphs if k[0] == ("decode",)]
+    assert key[1] == be.settings
+
+
+def test_decode_rejects_bad_token_and_position(engine):
+    from minfer.errors import MinferError
+    cache = engine.new_cache(8)
+    with pytest.raises(MinferError, match="out of range"):
+        engine.model.decode_greedy(engine.cfg.vocab_size, 0, cache)
+    with pytest.raises(MinferError, match="does not fit"):
+        engine.model.decode_greedy(1, 8, cache)
