@@ -57,8 +57,8 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
     pos = int(prompt.size)
     stats.stop = "n_predict"
     t1 = time.perf_counter()
+    nxt = int(np.argmax(logits))
     for i in range(n_predict):
-        nxt = int(np.argmax(logits))
         if nxt in eog:
             stats.stop = "eog"
             break
@@ -75,7 +75,7 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
             break
         if i == 0:
             t1 = time.perf_counter()                            # decode timing starts here
-        logits = model.decode(nxt, pos, cache)
+        nxt = model.decode_greedy(nxt, pos, cache)              # the argmax is taken on the backend
         pos += 1
     stats.decode_s = time.perf_counter() - t1
     if on_text is not None:
