@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as QT
 from minfer.backend.cuda.attention import FA_HD, flash_attention
 from minfer.backend.cuda.cublas import gemm_f16
 from minfer.backend.cuda.f16 import dequant_f16
-from minfer.backend.cuda.int8 import matvec
+from minfer.backend.cuda.int8 import matvec, quantize_q8_1
 from minfer.backend.cuda.nvrtc import K
 
 N_LAYER, N_HEAD, N_KV = 28, 28, 4
@@ -46,6 +46,20 @@ def time_ms(cp, fn, reps: int = 20) -> float:
         b.synchronize()
         times.append(cp.cuda.get_elapsed_time(a, b))
     return float(np.median(times))
+
+
+def graph_ms(cp, fn, n: int = 20) -> float:
+    """Device milliseconds of one fn(): n calls captured in a CUDA graph, the replay
+    timed (time_ms of a small kernel would time Python's launch overhead instead)."""
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        fn()                                          # compile, warm
+        s.synchronize()
+        s.begin_capture()
+        for _ in range(n):
+            fn()
+        g = s.end_capture()
+        return time_ms(cp, lambda: g.launch(s)) / n
 
 
 def dequant_bytes(qtype, n_out: int, n_in: int, w_exp: bool) -> int:
@@ -87,9 +101,9 @@ def bench_matvec(cp) -> None:
     print(f"{'matvec':<22}{'shape':>16}{'us':>9}{'GB/s':>8}{'of copy':>9}")
     for name, qt, n_out, n_in in MATVEC:
         raw = random_weight(cp, qt, n_out, n_in).reshape(n_out, -1)
-        x = cp.random.standard_normal((1, n_in), dtype=cp.float32)
+        xq8 = quantize_q8_1(cp.random.standard_normal((1, n_in), dtype=cp.float32))
         y = cp.empty((1, n_out), cp.float32)
-        ms = time_ms(cp, lambda: matvec(qt, x, raw, n_out, None, y))
+        ms = graph_ms(cp, lambda: matvec(qt, *xq8, raw, n_out, None, y))
         gbs = raw.nbytes / ms / 1e6
         print(f"{name:<22}{f'{n_in}->{n_out}':>16}{ms * 1e3:9.1f}{gbs:8.0f}{gbs / copy_gbs:9.0%}")
 

@@ -137,7 +137,7 @@ SAFETY = 2.0
 
 def _parity_bound(f16_gemms: int, int8_gemms: int, f16_roundings: int) -> float:
     """The per-position relative logits error allowed for a forward whose path holds
-    these GEMMs (one f32-matvec LM head adds nothing) and extra f16 roundings."""
+    these GEMMs (int8: MMQ or matvec, both on q8_1 activations) and extra f16 roundings."""
     var = (f16_gemms * F16_GEMM_REL ** 2 + int8_gemms * INT8_GEMM_REL ** 2
            + f16_roundings * F16_ROUND_REL ** 2)
     return float(SAFETY * np.sqrt(var))

@@ -189,25 +189,13 @@ def test_q6k_exp_and_fallback_bit_identical(cp, cq, T, n_out, K):
     assert np.array_equal(y_exp.view(np.uint32), y_raw.view(np.uint32))
 
 
-def _check_matvec(qtype, raw, x, y, bias=None):
-    """Matvec works on f32 x (no activation quantization). Error: each lane sums 16
-    products, scales them (2 roundings), adds into its running sum once per 4
-    super-blocks, then a 5-level shuffle reduction: at most ~(32 + K/256) roundings
-    of envelope-bounded terms; we allow 8 * (32 + K/64) * 2^-24 * envelope."""
-    K = x.shape[1]
-    W = quants.dequantize_rows(raw, qtype, K).astype(np.float64)
-    b = 0.0 if bias is None else bias.astype(np.float64)
-    assert np.isfinite(y).all(), "unwritten (NaN) outputs"
-    env = np.abs(x.astype(np.float64)) @ _envelope(qtype, W).T
-    tol = 8 * (32 + K / 64) * EPS32 * env + 1e-30
-    err = np.abs(y - (x.astype(np.float64) @ W.T + b))
-    assert (err <= tol).all(), f"matvec: max err/tol {np.max(err / tol):.3g}"
-
-
 def _matvec(cp, cq, qtype, raw, x, bias=None):
+    """The matvec kernel of qtype on q8_1(x), x (1, K); y is poisoned with NaN first.
+    Its math is the MMQ's (dequant(W) @ dequant(q8_1(x))), so _check_gemm judges it."""
     n_out = raw.shape[0]
     y = cp.full((1, n_out), cp.nan, dtype=cp.float32)
-    cq.matvec(qtype, cp.asarray(x), cp.asarray(_pad(qtype, raw)), n_out,
+    xq, xd, xs = cq.quantize_q8_1(cp.asarray(x))
+    cq.matvec(qtype, xq, xd, xs, cp.asarray(_pad(qtype, raw)), n_out,
               None if bias is None else cp.asarray(bias), y)
     return cp.asnumpy(y)
 
@@ -218,7 +206,7 @@ def test_matvec_vs_reference(cp, cq, qtype, n_out, K):
     raw = _weights(qtype, n_out, K, seed=2)
     x = _acts(1, K, seed=2)
     bias = _rng("mb", n_out).standard_normal(n_out).astype(np.float32)
-    _check_matvec(qtype, raw, x, _matvec(cp, cq, qtype, raw, x, bias), bias)
+    _check_gemm(qtype, raw, x, _matvec(cp, cq, qtype, raw, x, bias), bias)
 
 
 # --- real weights cut from the 1.5B model (scripts/cut_real_slices.py) ------- #
@@ -236,7 +224,7 @@ def test_real_slices(cp, cq, real, key, T):
     raw, qtype, (n_out, K) = real[key]
     x = _acts(T, K, seed=3)
     if T == 1:
-        _check_matvec(qtype, raw, x, _matvec(cp, cq, qtype, raw, x))
+        _check_gemm(qtype, raw, x, _matvec(cp, cq, qtype, raw, x))
         return
     plane = expand_q6k_dense(pad_q6k(raw), n_out, K) if qtype == QT.Q6_K else None
     y = _gemm(cp, cq, qtype, raw, x, plane)

@@ -4,7 +4,7 @@
 (docs/DESIGN.md has the table with the measurements behind it):
 
     f32 weight                      -> cupy matmul in f32                 counter f32_gemm
-    T == 1 (decode)                 -> matvec on f32 x (int8.py)          q4k_mv / q6k_mv
+    T == 1 (decode)                 -> x to q8_1, then matvec (int8.py)   q4k_mv / q6k_mv
     T >= settings.f16_min_t, a layer weight (not a table)
                                     -> f16 engine: W dequantized into an f16 scratch
                                        (q6_K: from its W_exp plane when it has one),
@@ -127,9 +127,9 @@ class Gemms:
         if p.engine == "f32":
             y = cp.matmul(x, w.data.T, out=out)                          # (T, n_out)
             return y if bias is None else cp.add(y, bias, out=y)
-        if p.engine == "matvec":
-            return int8.matvec(w.qtype, x, w.data, w.n_out, bias, out)
         xq, xd, xs = int8.quantize_q8_1(x, *self._q8_scratch(T, w.n_in))
+        if p.engine == "matvec":
+            return int8.matvec(w.qtype, xq, xd, xs, w.data, w.n_out, bias, out)
         if w.qtype == QT.Q4_K:
             return int8.mmq_q4k(xq, xd, xs, w.data, w.n_out, bias, out)
         plane = self.store.plane_of(w) if p.reads_plane else None
@@ -139,8 +139,16 @@ class Gemms:
         """Weights that read the same x (q/k/v, gate/up) -> [f32 (T, n_out) each]. On
         the f16 engine x is rounded to f16 once for all of them."""
         T = x.shape[0]
-        if all(self.path(T, w).engine == "f16" and w.n_in == x.shape[1] for w in ws):
+        engines = {self.path(T, w).engine for w in ws}
+        if engines == {"f16"} and all(w.n_in == x.shape[1] for w in ws):
             return self._f16_linears(x, ws, biases, (None,) * len(ws))
+        if engines == {"matvec"} and all(w.n_in == x.shape[1] for w in ws):
+            xq, xd, xs = int8.quantize_q8_1(x, *self._q8_scratch(1, x.shape[1]))   # once for all
+            ys = []
+            for w, b in zip(ws, biases):
+                self.counters.count(self.path(1, w))
+                ys.append(int8.matvec(w.qtype, xq, xd, xs, w.data, w.n_out, b))
+            return ys
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
 
     def ffn_fused(self, T: int, gate: GpuWeight, up: GpuWeight, down: GpuWeight) -> bool:

@@ -5,7 +5,7 @@
     mmq_q6k        kernels/mmq.cu       q8_1 x @ q6_K W^T; with a W_exp plane, B is staged
                                         by cp.async from the plane (EXP=true), else the
                                         padded blocks are expanded in the kernel (EXP=false)
-    matvec         kernels/matvec.cu    x f32 (1, K) @ W^T, MV_RPW output rows per warp
+    matvec         kernels/matvec.cu    q8_1 x (1, K) @ W^T (dp4a), MV_RPW output rows per warp
     dequant_rows   kernels/dequant.cu   selected rows of a table (the embedding), bit-identical
                                         to minfer.quants.dequantize_rows
 """
@@ -84,21 +84,25 @@ def mmq_q6k(xq, xd, w_padded, plane, od: int, bias=None, y=None):
                 w_padded, QT.Q6_K, od, bias, y)
 
 
-def matvec(qtype, x, w, od: int, bias=None, y=None):
-    """x f32 (1, K) @ W (od, K)^T [+ bias] -> y (1, od); q4_K as stored, q6_K padded."""
+def matvec(qtype, xq, xd, xs, w, od: int, bias=None, y=None):
+    """q8_1 x (1, K) (quantize_q8_1) @ W (od, K)^T [+ bias] -> y (1, od) f32;
+    W q4_K as stored or q6_K padded (the q6_K kernel needs no sums xs)."""
     qtype = QT(qtype)
     name = {QT.Q4_K: "matvec_q4k", QT.Q6_K: "matvec_q6k"}[qtype]
-    n = x.shape[-1]
-    if n % QK_K:
-        raise ValueError(f"{name}: K={n} is not a multiple of {QK_K}")
-    check(x, f"{name} x", cp.float32, (1, n))
-    check(w, f"{name} w", cp.uint8, (od, n // QK_K * BLOCK_BYTES[qtype]))
+    check(xq, f"{name} xq", cp.int8, ndim=2, align16=True)
+    n = xq.shape[1]
+    if xq.shape[0] != 1 or n % QK_K:
+        raise ValueError(f"{name}: x has shape {xq.shape}, expected (1, K), K a multiple of {QK_K}")
+    check(xd, f"{name} xd", cp.float32, (1, n // 32))
+    check(xs, f"{name} xs", cp.float32, (1, n // 32))
+    check(w, f"{name} w", cp.uint8, (od, n // QK_K * BLOCK_BYTES[qtype]), align16=True)
     if bias is not None:
         check(bias, f"{name} bias", cp.float32, (od,))
     y = out_array(y, (1, od), f"{name} y")                            # (1, od)
+    x_args = (xq, xd, xs) if qtype == QT.Q4_K else (xq, xd)
     if od:
         kernel("matvec.cu", name)((blocks_1d(od, MV_ROWS_PER_BLOCK),), (K["MV_WARPS"] * 32,),
-                                  (w, x, or_null(bias), y, np.int32(od), np.int32(n)))
+                                  (w,) + x_args + (or_null(bias), y, np.int32(od), np.int32(n)))
     return y
 
 
