@@ -3,15 +3,26 @@
 Bad input of any kind is one line `minfer: error: ...` on stderr and exit code 2
 (MinferError, OSError on files, argument errors). Anything else is a bug and
 keeps its traceback.
+
+Text input (-p, --system, -f FILE, -f - for stdin) must be UTF-8: anything else
+is an error naming the input and the byte offset (no replacement characters:
+the tokens would silently differ from the text). Prompt files are read up to
+MAX_TEXT_BYTES. When the reader of stdout goes away (`minfer generate ... | head
+-c 5`) the command stops quietly with status 141, which is what a shell reports
+for a tool killed by SIGPIPE (`yes`, `cat`), so `set -o pipefail` sees the same.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
 import sys
 
 from .errors import MinferError
+
+MAX_TEXT_BYTES = 64 << 20      # prompt and perplexity files: 64 MiB
+EXIT_SIGPIPE = 128 + 13        # the shell's status for a process killed by SIGPIPE
 
 # subcommands that live in their own modules, each with add_arguments(parser) and
 # main(args) -> int | None; imported only when invoked
@@ -26,8 +37,11 @@ class _Parser(argparse.ArgumentParser):
 
 def _out(text: str) -> None:
     """Write exactly text to stdout (UTF-8 bytes, whatever the locale), now."""
-    sys.stdout.buffer.write(text.encode("utf-8"))
-    sys.stdout.buffer.flush()
+    try:
+        sys.stdout.buffer.write(text.encode("utf-8"))
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        raise _StdoutClosed() from None
 
 
 def _model_path(args) -> str:
@@ -37,9 +51,53 @@ def _model_path(args) -> str:
     return str(ensure_model(progress=True))
 
 
+def _utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MinferError(f"{what} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
 def _read_text(path: str) -> str:
-    with open(path, "rb") as f:
-        return f.read().decode("utf-8", errors="strict")
+    """The UTF-8 text of a file, or of stdin for "-", at most MAX_TEXT_BYTES."""
+    what = "stdin" if path == "-" else path
+    if path == "-":
+        data = sys.stdin.buffer.read(MAX_TEXT_BYTES + 1)
+    else:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEXT_BYTES + 1)       # -f /dev/zero must not read for ever
+    if len(data) > MAX_TEXT_BYTES:
+        raise MinferError(f"{what} is larger than the {MAX_TEXT_BYTES >> 20} MiB limit for text input")
+    return _utf8(data, what)
+
+
+def _arg_text(text: str | None, flag: str) -> str | None:
+    """A command-line argument as checked UTF-8 text. Python decodes argv with
+    surrogateescape, so undecodable bytes arrive as lone surrogates: recover the
+    bytes and apply the same rule as to files."""
+    if text is None:
+        return None
+    try:
+        data = text.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError as e:        # a surrogate that no byte produced
+        raise MinferError(f"{flag} is not valid text (lone surrogate at character {e.start})") from None
+    return _utf8(data, flag)
+
+
+class _StdoutClosed(Exception):
+    """The reader of stdout went away (EPIPE)."""
+
+
+def _stdout_closed() -> int:
+    """Stop quietly, as a tool killed by SIGPIPE would. Output still buffered is
+    flushed at interpreter exit; point fd 1 at /dev/null so that flush cannot
+    raise a second BrokenPipeError ("Exception ignored ...")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass        # stdout is not a file descriptor (captured in a test): nothing to flush
+    return EXIT_SIGPIPE
 
 
 # --- generate -----------------------------------------------------------------
@@ -48,13 +106,14 @@ def cmd_generate(args) -> int:
     from .generate import GenerationStats, generate
     from .prompt import prompt_ids
 
-    prompt = args.prompt if args.file is None else _read_text(args.file)
+    prompt = _arg_text(args.prompt, "-p") if args.file is None else _read_text(args.file)
+    system = _arg_text(args.system, "--system")
     if prompt == "":
         raise MinferError("empty prompt: give some text with -p or -f")
     if args.n_predict < 0:
         raise MinferError(f"-n must be >= 0, got {args.n_predict}")
     mf = ModelFile.open(_model_path(args), args.ctx_size)
-    ids = prompt_ids(mf.tokenizer, prompt, chat=args.chat, system=args.system)
+    ids = prompt_ids(mf.tokenizer, prompt, chat=args.chat, system=system)
     if len(ids) > mf.n_ctx:
         raise MinferError(f"the prompt is {len(ids)} tokens, longer than the context of {mf.n_ctx}; "
                           f"shorten it or raise -c")
@@ -75,7 +134,7 @@ def cmd_tokenize(args) -> int:
 
     if (args.prompt is None) == (args.file is None):
         raise MinferError("give exactly one of -p TEXT or -f FILE")
-    text = args.prompt if args.file is None else _read_text(args.file)
+    text = _arg_text(args.prompt, "-p") if args.file is None else _read_text(args.file)
     mf = ModelFile.open(_model_path(args))
     ids = mf.tokenizer.encode(text, parse_special=not args.no_parse_special)
     _out(json.dumps([int(i) for i in ids]) + "\n")
@@ -92,13 +151,15 @@ def cmd_pull(args) -> int:
 
 # --- perplexity ---------------------------------------------------------------
 def cmd_perplexity(args) -> int:
-    from .engine import Engine
-    from .perplexity import perplexity
+    from .engine import Engine, ModelFile
+    from .perplexity import perplexity, perplexity_tokens
 
     text = _read_text(args.file)
-    engine = Engine.load(_model_path(args), args.backend, n_ctx=args.ctx_size, progress=True)
+    mf = ModelFile.open(_model_path(args), args.ctx_size)
+    tokens = perplexity_tokens(mf.tokenizer, text, args.ctx_size)     # before the weights load
+    engine = Engine.from_file(mf, args.backend, progress=True)
     res = perplexity(engine, text, n_ctx=args.ctx_size, progress=True,
-                     on_chunk=lambda i, p: _out(f"[{i}]{p:.4f},"))
+                     on_chunk=lambda i, p: _out(f"[{i}]{p:.4f},"), tokens=tokens)
     _out(f"\nFinal estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}\n")
     return 0
 
@@ -132,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text (special tokens like <|im_start|> are parsed)")
-    src.add_argument("-f", "--file", help="read the prompt from FILE")
+    src.add_argument("-f", "--file", help="read the prompt from FILE (- for stdin)")
     g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     g.add_argument("-c", "--ctx-size", type=int, default=None,
                    help="context size (default: min(training context, 4096))")
@@ -146,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tokenize", help="print token ids as a JSON list")
     model_arg(t)
     t.add_argument("-p", "--prompt", help="text to tokenize")
-    t.add_argument("-f", "--file", help="read the text from FILE")
+    t.add_argument("-f", "--file", help="read the text from FILE (- for stdin)")
     t.add_argument("--no-parse-special", action="store_true",
                    help="treat special-token text like <|im_end|> as plain text")
     t.set_defaults(func=cmd_tokenize)
@@ -159,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pp = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
     model_arg(pp)
-    pp.add_argument("-f", "--file", required=True, help="text file")
+    pp.add_argument("-f", "--file", required=True, help="text file (- for stdin)")
     pp.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens (default 512)")
     pp.add_argument("--backend", default="cpu", help="cpu or cuda (default cpu)")
     pp.set_defaults(func=cmd_perplexity)
@@ -176,13 +237,17 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in EXTENSIONS:     # the module parses its own arguments
             return _run_extension(argv[0], argv[1:])
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()          # here, not at exit, where EPIPE cannot be handled
+        return rc
     except MinferError as e:
         msg = " ".join(str(e).split("\n"))
+    except (_StdoutClosed, BrokenPipeError):
+        # the CLI writes to no pipe but stdout (pip runs with its output captured):
+        # a broken pipe here is the reader of stdout gone (bench and twin print())
+        return _stdout_closed()
     except OSError as e:
         msg = f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e)
-    except UnicodeDecodeError as e:
-        msg = f"input is not valid UTF-8 ({e.reason} at byte {e.start})"
     except KeyboardInterrupt:
         return 130
     print(f"minfer: error: {msg}", file=sys.stderr)

@@ -10,6 +10,15 @@ import numpy as np
 from .errors import MinferError
 
 
+def check_finite(logits: np.ndarray, where: str) -> None:
+    """Stop on NaN/Inf logits (damaged weights) instead of taking the argmax of
+    garbage: a host check of the logits the forward already returned (decode
+    steps are checked on the backend, Transformer.decode_greedy)."""
+    if not np.isfinite(logits).all():
+        raise MinferError(f"the model produced non-finite logits (NaN or Inf) {where}; "
+                          f"its weights may be damaged")
+
+
 @dataclass
 class GenerationStats:
     n_prompt: int = 0
@@ -54,6 +63,7 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
     logits = model.prefill(prompt, cache)                       # (vocab,)
     engine.backend.synchronize()
     stats.prompt_s = time.perf_counter() - t0
+    check_finite(logits, f"at position {prompt.size - 1}")
     pos = int(prompt.size)
     stats.stop = "n_predict"
     t1 = time.perf_counter()

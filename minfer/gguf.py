@@ -28,7 +28,8 @@ INTERFACE (implemented by the loader work; other modules rely on exactly this):
                                               #   (rows, row_bytes) for any type (row = last
                                               #   numpy dim = ggml ne[0]); header_only files
                                               #   raise GGUFError here
-    gf.close()                                # also: `with open_gguf(...) as gf:`
+    gf.close() -> bool                        # True: unmapped now; False: raw() views remain
+                                              # also: `with open_gguf(...) as gf:`
 
     TensorInfo(name, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...] in numpy order
                (e.g. (n_out, n_in) for a linear weight; ggml's ne reversed),
@@ -333,14 +334,16 @@ class GGUFFile:
         a = np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return a.reshape(t.n_rows, t.row_bytes)  # (rows, row_bytes)
 
-    def close(self) -> None:
-        """Drop the mapping. Views handed out by raw() keep it alive until they go."""
+    def close(self) -> bool:
+        """Drop the mapping -> True if it is unmapped now; False while views handed
+        out by raw() still exist (the map is released with the last of them)."""
         mm, self._mm = self._mm, None
         if isinstance(mm, mmap.mmap):
             try:
                 mm.close()
             except BufferError:
-                pass  # raw() views still exist; the map is released with the last of them
+                return False
+        return True
 
     def __enter__(self) -> "GGUFFile":
         return self

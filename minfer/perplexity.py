@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .errors import MinferError
+from .generate import check_finite
 
 
 @dataclass
@@ -37,18 +38,28 @@ def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - l64[np.arange(len(targets)), targets]
 
 
-def perplexity(engine, text: str, n_ctx: int = 512, progress: bool = True,
-               on_chunk: Callable[[int, float], None] | None = None) -> PerplexityResult:
-    tok = engine.tokenizer
+def perplexity_tokens(tok, text: str, n_ctx: int) -> np.ndarray:
+    """The text's tokens, checked to fill at least two chunks of n_ctx -> int32 (n,).
+    Needs only the tokenizer, so the CLI checks before it loads the weights."""
     if n_ctx < 4:
         raise MinferError(f"perplexity context must be at least 4 tokens, got {n_ctx}")
-    if n_ctx > engine.n_ctx:
-        raise MinferError(f"perplexity context {n_ctx} exceeds the engine's context {engine.n_ctx}")
     tokens = np.asarray(tok.encode(text, parse_special=False), dtype=np.int32)
-    n_chunks = len(tokens) // n_ctx
     if len(tokens) < 2 * n_ctx:       # llama.cpp's requirement too
         raise MinferError(f"the text has {len(tokens)} tokens; perplexity at context {n_ctx} "
                           f"needs at least {2 * n_ctx}")
+    return tokens
+
+
+def perplexity(engine, text: str, n_ctx: int = 512, progress: bool = True,
+               on_chunk: Callable[[int, float], None] | None = None,
+               tokens: np.ndarray | None = None) -> PerplexityResult:
+    """tokens: perplexity_tokens(engine.tokenizer, text, n_ctx) if already computed."""
+    tok = engine.tokenizer
+    if n_ctx > engine.n_ctx:
+        raise MinferError(f"perplexity context {n_ctx} exceeds the engine's context {engine.n_ctx}")
+    if tokens is None:
+        tokens = perplexity_tokens(tok, text, n_ctx)
+    n_chunks = len(tokens) // n_ctx
     first = n_ctx // 2
     cache = engine.new_cache(n_ctx)
     nll_sum = nll2_sum = 0.0
@@ -62,6 +73,7 @@ def perplexity(engine, text: str, n_ctx: int = 512, progress: bool = True,
         # from position 0 every cached entry this chunk reads is rewritten first,
         # so reusing the cache is the same as starting from an empty one
         logits = engine.model.forward(chunk, 0, cache, logits_from=first)   # (n_ctx - first, vocab)
+        check_finite(logits, f"in chunk {c + 1}")
         nll = token_nll(logits[:-1], chunk[first + 1:])                     # (n_ctx - 1 - first,)
         nll_sum += float(nll.sum())
         nll2_sum += float(np.square(nll).sum())

@@ -211,10 +211,13 @@ def test_raw_after_close_and_views_survive_close(tmp_path):
     p, _, _, (a, _, _) = _valid(tmp_path)
     gf = open_gguf(p)
     view = gf.raw("a")
-    gf.close()
+    assert gf.close() is False                         # not unmapped: a view remains
     assert np.array_equal(view.view(np.float32), a)   # the view keeps the mapping alive
     with pytest.raises(GGUFError, match="closed"):
         gf.raw("a")
+    gf = open_gguf(p)
+    assert np.array_equal(gf.raw("a").view(np.float32), a)                 # a view, gone again
+    assert gf.close() is True                          # no view left: unmapped now
 
 
 def test_unknown_tensor_name(tmp_path):

@@ -5,10 +5,14 @@ vectorized over tokens (BLAS for the matmuls); the only Python loops are over
 KV-head groups in attention.
 
 Memory: every quantized 2-D weight is dequantized to float32 at load, except
-the token embedding, which stays quantized and is dequantized row by row in
-`embed` (151,936 x 1,536 f32 would be 0.9 GB for a lookup of T rows). If the
-embedding is also the LM head (tied output), its dense float32 copy is made
-lazily, once, on the first `linear` call.
+the token embedding, which stays quantized (a copy of its bytes) and is
+dequantized row by row in `embed` (151,936 x 1,536 f32 would be 0.9 GB for a
+lookup of T rows). If the embedding is also the LM head (tied output), its dense
+float32 copy is made lazily, once, on the first `linear` call. Nothing refers to
+the file's mapping after load.
+
+Running out of host memory (the KV cache, attention's scratch, the weights) is
+one MinferError line naming what to lower (`guard`, `new_cache`).
 
 When the float32 weights would not fit (more than FIT_FRACTION of the memory
 available at start: the 7B needs ~30 GB), every quantized weight stays
@@ -17,6 +21,7 @@ quantized and `linear` dequantizes it on each call instead: the same numbers
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -33,7 +38,9 @@ class QuantTable:
     """A 2-D tensor kept as its GGUF bytes; rows dequantized on demand."""
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
-        self.raw = raw                     # uint8 (rows, row_bytes), file-backed
+        # uint8 (rows, row_bytes), copied out of the mapping: decode reads it every
+        # step, and a file truncated underneath must not fault the run (SIGBUS)
+        self.raw = np.array(raw, dtype=np.uint8, copy=True)
         self.qtype = qtype
         self.shape = shape                 # (rows, cols) in float32 terms
         self._dense: np.ndarray | None = None
@@ -117,7 +124,30 @@ class CPUBackend(Backend):
     def new_cache(self, max_tokens: int) -> CPUCache:
         cfg = self.cfg
         shape = (cfg.n_layer, max_tokens, cfg.n_head_kv, cfg.head_dim)
-        return CPUCache(k=np.zeros(shape, np.float32), v=np.zeros(shape, np.float32), n_ctx=max_tokens)
+        need = 2 * 4 * cfg.n_layer * max_tokens * cfg.kv_dim              # k and v, float32
+        have = available_bytes()
+        # np.zeros is lazily committed, so a cache far beyond the memory would only
+        # fail (or be OOM-killed) once the run fills it: refuse it up front
+        if have is not None and need > have:
+            raise MinferError(f"the KV cache for a context of {max_tokens} tokens needs "
+                              f"{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB available: lower -c")
+        try:
+            return CPUCache(k=np.zeros(shape, np.float32), v=np.zeros(shape, np.float32), n_ctx=max_tokens)
+        except MemoryError:
+            raise MinferError(f"out of host memory allocating the KV cache for a context of "
+                              f"{max_tokens} tokens ({need / 2**30:.1f} GiB): lower -c") from None
+
+    @contextlib.contextmanager
+    def guard(self, what: str):
+        """Host allocations failing inside `what` (weights, activations, attention's
+        (T, S) scores) -> one line."""
+        try:
+            yield
+        except MemoryError:
+            have = available_bytes()
+            free = f", {have / 2**30:.1f} GiB available" if have is not None else ""
+            raise MinferError(f"out of host memory while {what}{free}: use a shorter prompt "
+                              f"or a smaller -c, or free memory") from None
 
     # --- ops ----------------------------------------------------------------
     def embed(self, table: QuantTable, tokens):
