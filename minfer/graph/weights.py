@@ -6,6 +6,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..contract import expected_tensors
 from ..errors import MinferError
 
 
@@ -49,15 +50,9 @@ def load_weights(gf, cfg, backend, progress: bool = True) -> Weights:
             raise MinferError(f"{gf.path}: tensor {name} is missing")
         return gf.tensors[name]
 
-    names = [f"blk.{i}.{n}.weight" for i in range(cfg.n_layer) for n in
-             ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-              "ffn_gate", "ffn_up", "ffn_down")]
-    if cfg.qkv_bias:
-        names += [f"blk.{i}.attn_{x}.bias" for i in range(cfg.n_layer) for x in "qkv"]
-    names += ["token_embd.weight", "output_norm.weight"]
+    # the tensors the graph reads: the model contract's one table (minfer/contract.py)
     tied = "output.weight" not in gf.tensors
-    if not tied:
-        names.append("output.weight")
+    names = [n for n, (_, required) in expected_tensors(cfg).items() if required or n in gf.tensors]
 
     h: dict[str, Any] = {}
     for name in tqdm(names, desc=f"load ({backend.name})", unit="tensor",

@@ -128,7 +128,13 @@ class CUDABackend(Backend):
     def new_cache(self, max_tokens: int) -> CudaCache:
         if max_tokens < 1:
             raise MinferError(f"context size must be positive, got {max_tokens}")
-        with self.guard(f"allocating the KV cache for {max_tokens} tokens"):
+        what = f"allocating the KV cache for {max_tokens} tokens"
+        cfg = self.cfg
+        itemsize = 2 if cfg.head_dim == attention.FA_HD else 4
+        need = 2 * cfg.n_layer * max_tokens * cfg.n_head_kv * cfg.head_dim * itemsize
+        if need > cp.cuda.runtime.memGetInfo()[0]:       # before the host builds its RoPE table
+            raise self._oom_error(what)
+        with self.guard(what):
             cache = CudaCache(self.cfg, max_tokens)
             if self._cos_sin is None or self._cos_sin.shape[0] < max_tokens:
                 self._cos_sin = cp.asarray(ops.rope_table(max_tokens, self.cfg.head_dim,
