@@ -31,6 +31,7 @@ def test_settings_from_env():
 
 
 def _w(name, qtype, n_out=512, n_in=3584):
+    """A weight record (no device data: gemm_path reads only type, name and shape)."""
     return GpuWeight(name, qtype, n_out, n_in, data=None,
                      plane_tensor=is_plane_tensor(name, qtype, (n_out, n_in)))
 
@@ -47,6 +48,11 @@ def _w(name, qtype, n_out=512, n_in=3584):
     (512, "output.weight", QT.Q6_K, True, {}, ("mmq", "q6k_mmq", "q6k exp")),        # a table
     (512, "blk.0.ffn_up.weight", QT.Q4_K, False, {"f16_min_t": 1 << 30}, ("mmq", "q4k_mmq", None)),
     (7, "blk.0.attn_q_norm.weight", QT.F32, False, {}, ("f32", "f32_gemm", None)),
+    # the types the MMQ lacks: the f16 engine from T = 2, pinned or not, tables too
+    (2, "blk.0.ffn_up.weight", QT.Q4_1, False, {"f16_min_t": 1 << 30}, ("f16", "q4_1_f16", None)),
+    (512, "output.weight", QT.Q8_0, False, {}, ("f16", "q8_0_f16", None)),
+    (1, "output.weight", QT.Q8_0, False, {}, ("matvec", "q8_0_mv", None)),
+    (9, "blk.0.ffn_down.weight", QT.Q5_K, False, {}, ("f16", "q5k_f16", None)),
 ])
 def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
     p = gemm_path(T, _w(name, qtype), CudaSettings(**settings), has_plane)
@@ -57,7 +63,7 @@ def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
 def test_gemm_path_rejects_unsupported_types():
     from minfer.errors import MinferError
     with pytest.raises(MinferError, match="not supported"):
-        gemm_path(4, _w("blk.0.attn_q.weight", QT.Q8_0), CudaSettings(), False)
+        gemm_path(4, _w("blk.0.attn_q.weight", QT.Q2_K), CudaSettings(), False)
 
 
 def test_plane_inventory_of_the_7b_header(header_7b):

@@ -139,7 +139,7 @@ def test_dequant_rejects_bad_input():
     fp = _fast()
 
     with pytest.raises(MinferError, match="no f16 dequantizer"):
-        fp.dequant_f16(cp.zeros(34 * 8, cp.uint8), QT.Q8_0, 1, 256)
+        fp.dequant_f16(cp.zeros(84, cp.uint8), QT.Q2_K, 1, 256)
     with pytest.raises(ValueError, match="elements"):                   # unpadded q6_K bytes
         fp.dequant_f16(cp.zeros(210, cp.uint8), QT.Q6_K, 1, 256)
     with pytest.raises(ValueError, match="multiple of 256"):

@@ -16,10 +16,11 @@ caller gives `out`.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from ...errors import MinferError
 from .cublas import gemm_f16
+from .int8 import Q32_TYPES, q32_kernel, q32_row_bytes
 from .launch import blocks_1d, check, cp, kernel, launch_grid_stride, scratch_view
 from .nvrtc import K
 
@@ -29,7 +30,7 @@ _PER_THREAD = 16                 # outputs per thread of the dequant kernels
 # qtype -> (kernel, device bytes per 256-element super-block)
 _DEQ = {QT.Q4_K: ("dequant_q4k_f16", K["Q4K_BYTES"]),       # blocks as stored
         QT.Q6_K: ("dequant_q6k_f16", K["Q6K_PADDED"])}      # padded 224-byte stride
-F16_QTYPES = frozenset(_DEQ)
+F16_QTYPES = frozenset(_DEQ) | frozenset(Q32_TYPES)   # (Q32: quants32.cu, one thread per group)
 
 
 def dequant_f16(raw, qtype, n_out: int, n_in: int, out=None, w_exp=None):
@@ -41,9 +42,11 @@ def dequant_f16(raw, qtype, n_out: int, n_in: int, out=None, w_exp=None):
     >= n_out*n_in elements.
     """
     qtype = QT(qtype)
-    if qtype not in _DEQ:
+    if qtype not in F16_QTYPES:
         raise MinferError(f"no f16 dequantizer for {qtype.name} (have: "
-                          f"{', '.join(t.name for t in _DEQ)})")
+                          f"{', '.join(t.name for t in F16_QTYPES)})")
+    if qtype in Q32_TYPES:
+        return _dequant32_f16(raw, qtype, n_out, n_in, out)
     if n_out <= 0 or n_in <= 0 or n_in % QK_K:
         raise ValueError(f"dequant_f16 {qtype.name}: shape ({n_out}, {n_in}) needs n_in a positive "
                          f"multiple of {QK_K}")
@@ -60,6 +63,21 @@ def dequant_f16(raw, qtype, n_out: int, n_in: int, out=None, w_exp=None):
         check(w_exp, "dequant_f16 q6_K W_exp", cp.int8, size=n_out * n_in, align16=True)
         name, args = "dequant_q6k_exp_f16", (raw, w_exp, w16, np.int64(n_threads))
     kernel("dequant_f16.cu", name)((blocks_1d(n_threads),), (K["THREADS_1D"],), args)
+    return w16
+
+
+def _dequant32_f16(raw, qtype, n_out: int, n_in: int, out=None):
+    """dequant_f16 for the types read in 32-element groups (stored as in the file)."""
+    bs = GGML_QUANT_SIZES[qtype][0]
+    if n_out <= 0 or n_in <= 0 or n_in % bs:
+        raise ValueError(f"dequant_f16 {qtype.name}: shape ({n_out}, {n_in}) needs n_in a positive "
+                         f"multiple of {bs}")
+    check(raw, f"dequant_f16 {qtype.name} raw", cp.uint8, size=n_out * q32_row_bytes(qtype, n_in))
+    w16 = scratch_view(out, (n_out, n_in), "dequant_f16 out", cp.float16)          # (n_out, n_in)
+    check(w16, "dequant_f16 out", cp.float16, align16=True)
+    n_grp = n_out * n_in // 32
+    q32_kernel("dequant32_f16", qtype)((blocks_1d(n_grp),), (K["THREADS_1D"],),
+                                       (raw, w16, np.int64(n_grp)))
     return w16
 
 

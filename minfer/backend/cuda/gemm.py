@@ -5,12 +5,13 @@
 
     f32 weight                      -> cupy matmul in f32                 counter f32_gemm
     T == 1 (decode)                 -> x to q8_1, then matvec (int8.py)   q4k_mv / q6k_mv
-    T >= settings.f16_min_t, a layer weight (not a table)
+    q4_K / q6_K, and T < settings.f16_min_t or a table (the LM head over many positions)
+                                    -> int8 MMQ on q8_1 activations       q4k_mmq / q6k_mmq
+    otherwise (layer weights from T = f16_min_t on; every GEMM of the types the MMQ
+    lacks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K)
                                     -> f16 engine: W dequantized into an f16 scratch
                                        (q6_K: from its W_exp plane when it has one),
-                                       one cuBLAS GEMM, f32 accumulation  q4k_f16 / q6k_f16
-    otherwise (the LM head over many positions, or f16_min_t moved up)
-                                    -> int8 MMQ on q8_1 activations       q4k_mmq / q6k_mmq
+                                       one cuBLAS GEMM, f32 accumulation  q4k_f16 / q6k_f16 / q4_0_f16 ...
 
 A q6_K GEMM on either engine also counts where its B operand came from:
 `q6k exp` (the W_exp plane: the fast path), `q6k exp=off` (planes deliberately
@@ -31,10 +32,13 @@ from .launch import cp
 from .settings import CudaSettings
 from .weights import GpuWeight, WeightStore
 
-COUNTERS = ("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
-            "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw",
-            "q4k_mv", "q6k_mv", "f32_gemm")
-_PREFIX = {QT.Q4_K: "q4k", QT.Q6_K: "q6k"}
+_PREFIX = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q5_0: "q5_0",
+           QT.Q5_1: "q5_1", QT.Q8_0: "q8_0", QT.Q5_K: "q5k"}
+COUNTERS = (("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
+             "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw",
+             "q4k_mv", "q6k_mv", "f32_gemm")
+            + tuple(f"{p}_{e}" for t, p in _PREFIX.items() if t not in int8.MMQ_TYPES
+                    for e in ("f16", "mv")))
 
 
 @dataclass(frozen=True)
@@ -56,11 +60,12 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool) -> 
         return GemmPath("f32", "f32_gemm", None)
     if w.qtype not in _PREFIX:
         raise MinferError(f"linear {w.name}: {w.qtype.name} weights are not supported by "
-                          f"the CUDA backend (q4_K, q6_K, f32)")
+                          f"the CUDA backend ({', '.join(t.name for t in _PREFIX)}, F32)")
     prefix = _PREFIX[w.qtype]
     if T == 1:
         return GemmPath("matvec", f"{prefix}_mv", None)
-    engine = "f16" if T >= settings.f16_min_t and not w.table else "mmq"
+    mmq = w.qtype in int8.MMQ_TYPES and (T < settings.f16_min_t or w.table)
+    engine = "mmq" if mmq else "f16"
     source = None
     if w.qtype == QT.Q6_K:
         if not w.plane_tensor:

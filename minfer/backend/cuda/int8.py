@@ -8,11 +8,14 @@
     matvec         kernels/matvec.cu    q8_1 x (1, K) @ W^T (dp4a), MV_RPW output rows per warp
     dequant_rows   kernels/dequant.cu   selected rows of a table (the embedding), bit-identical
                                         to minfer.quants.dequantize_rows
+    matvec32, dequant32_rows  kernels/quants32.cu  the same for the types read in 32-element
+                                        groups (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K), one
+                                        template over a per-type group decoder
 """
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from ...errors import MinferError
 from .launch import blocks_1d, check, cp, kernel, or_null, out_array
@@ -23,8 +26,28 @@ MMQ_BM, MMQ_BN, MMQ_THREADS, MMQ_KDR = K["MMQ_BM"], K["MMQ_BN"], K["MMQ_THREADS"
 MV_ROWS_PER_BLOCK = K["MV_WARPS"] * K["MV_RPW"]
 _MMQ = (f"mmq_q4k<{MMQ_KDR}>", f"mmq_q6k_bt<{MMQ_KDR}, true>", f"mmq_q6k_bt<{MMQ_KDR}, false>")
 
+# the types the int8 MMQ GEMMs take (every other type's GEMMs run on the f16 engine)
+MMQ_TYPES = (QT.Q4_K, QT.Q6_K)
+
 # device bytes of one 256-element super-block of a weight row, as registered
 BLOCK_BYTES = {QT.Q4_K: K["Q4K_BYTES"], QT.Q6_K: K["Q6K_PADDED"]}
+
+# types read in 32-element groups, stored as in the file (kernels/quants32.cu; the
+# template argument is the ggml type id)
+Q32_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q5_K)
+Q32_INSTANCES = tuple(f"{k}<{int(t)}>" for t in Q32_TYPES
+                      for k in ("dequant32_f16", "dequant32_rows", "matvec32"))
+
+
+def q32_kernel(name: str, qtype):
+    """The instantiation of a quants32.cu template for qtype."""
+    return kernel("quants32.cu", f"{name}<{int(QT(qtype))}>", Q32_INSTANCES)
+
+
+def q32_row_bytes(qtype, n: int) -> int:
+    """Device bytes of one row of n elements of a Q32 type (as stored)."""
+    bs, ts = GGML_QUANT_SIZES[QT(qtype)]
+    return n // bs * ts
 
 # table type -> its row-dequantization kernel (the embedding lookup)
 ROW_KERNELS = {QT.Q4_K: "dequant_rows_q4k", QT.Q6_K: "dequant_rows_q6k",
@@ -88,34 +111,43 @@ def matvec(qtype, xq, xd, xs, w, od: int, bias=None, y=None):
     """q8_1 x (1, K) (quantize_q8_1) @ W (od, K)^T [+ bias] -> y (1, od) f32;
     W q4_K as stored or q6_K padded (the q6_K kernel needs no sums xs)."""
     qtype = QT(qtype)
-    name = {QT.Q4_K: "matvec_q4k", QT.Q6_K: "matvec_q6k"}[qtype]
+    name = {QT.Q4_K: "matvec_q4k", QT.Q6_K: "matvec_q6k"}.get(qtype, "matvec32")
     check(xq, f"{name} xq", cp.int8, ndim=2, align16=True)
     n = xq.shape[1]
-    if xq.shape[0] != 1 or n % QK_K:
-        raise ValueError(f"{name}: x has shape {xq.shape}, expected (1, K), K a multiple of {QK_K}")
+    bs = GGML_QUANT_SIZES[qtype][0]
+    if xq.shape[0] != 1 or n % bs:
+        raise ValueError(f"{name}: x has shape {xq.shape}, expected (1, K), K a multiple of {bs}")
     check(xd, f"{name} xd", cp.float32, (1, n // 32))
     check(xs, f"{name} xs", cp.float32, (1, n // 32))
-    check(w, f"{name} w", cp.uint8, (od, n // QK_K * BLOCK_BYTES[qtype]), align16=True)
+    row = n // QK_K * BLOCK_BYTES[qtype] if qtype in BLOCK_BYTES else q32_row_bytes(qtype, n)
+    check(w, f"{name} w", cp.uint8, (od, row), align16=True)
     if bias is not None:
         check(bias, f"{name} bias", cp.float32, (od,))
     y = out_array(y, (1, od), f"{name} y")                            # (1, od)
-    x_args = (xq, xd, xs) if qtype == QT.Q4_K else (xq, xd)
+    x_args = (xq, xd) if qtype == QT.Q6_K else (xq, xd, xs)
     if od:
-        kernel("matvec.cu", name)((blocks_1d(od, MV_ROWS_PER_BLOCK),), (K["MV_WARPS"] * 32,),
-                                  (w,) + x_args + (or_null(bias), y, np.int32(od), np.int32(n)))
+        fn = kernel("matvec.cu", name) if qtype in BLOCK_BYTES else q32_kernel(name, qtype)
+        fn((blocks_1d(od, MV_ROWS_PER_BLOCK),), (K["MV_WARPS"] * 32,),
+           (w,) + x_args + (or_null(bias), y, np.int32(od), np.int32(n)))
     return y
 
 
 def dequant_rows(qtype, w, n_cols: int, tokens, y=None):
     """rows `tokens` (int32 (T,) device) of table w -> y f32 (T, n_cols).
-    w: q4_K uint8 as stored, q6_K uint8 padded, q8_0 uint8, f16 uint16, f32 float32."""
+    w: q4_K uint8 as stored, q6_K uint8 padded, the Q32 types and q8_0 uint8 as stored,
+    f16 uint16, f32 float32."""
     qtype = QT(qtype)
-    if qtype not in ROW_KERNELS:
+    if qtype not in ROW_KERNELS and qtype not in Q32_TYPES:
         raise MinferError(f"embedding rows of type {qtype.name} are not supported on the GPU")
     check(tokens, "dequant_rows tokens", cp.int32, ndim=1)
     T = tokens.shape[0]
     y = out_array(y, (T, n_cols), "dequant_rows y")                   # (T, n_cols)
-    if T and n_cols:
+    if not (T and n_cols):
+        return y
+    if qtype in ROW_KERNELS:
         kernel("dequant.cu", ROW_KERNELS[qtype])((blocks_1d(n_cols), T), (K["THREADS_1D"],),
                                                  (w, tokens, y, np.int32(n_cols)))
+    else:                                                             # one thread per group of 32
+        q32_kernel("dequant32_rows", qtype)((blocks_1d(n_cols // 32), T), (K["THREADS_1D"],),
+                                            (w, tokens, y, np.int32(n_cols)))
     return y

@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ... import quants
 from ...errors import MinferError
-from .int8 import ROW_KERNELS
+from .int8 import MMQ_TYPES, Q32_TYPES, ROW_KERNELS
 from .launch import cp
 from .q6k_layout import expand_q6k_dense, pad_q6k
 from .settings import CudaSettings
@@ -35,9 +35,14 @@ from .settings import CudaSettings
 _PLANE_NAME = re.compile(r"blk\.\d+\.(attn_v|ffn_down)\.weight|output\.weight")
 
 # tables, not linears of the layer stack: never dequantized whole into the f16
-# scratch (the 7B's LM head alone would need a 1.09 GB scratch; it sees one row
-# in prefill, or every position in perplexity, where the int8 MMQ serves it)
+# scratch when the int8 MMQ can serve them (the 7B's LM head alone would need a
+# 1.09 GB scratch; it sees one row in prefill, or every position in perplexity,
+# where the MMQ serves it); a table of a type the MMQ lacks takes the f16 engine
 TABLES = frozenset({"token_embd.weight", "output.weight"})
+
+# every type a 2-D weight may have on the GPU
+SUPPORTED = tuple(ROW_KERNELS) + tuple(t for t in Q32_TYPES if t not in ROW_KERNELS)
+_F16_TYPES = MMQ_TYPES + Q32_TYPES                 # dequantized for the f16 engine
 
 _warned_miss = False                 # one loud warning per process
 
@@ -88,6 +93,12 @@ class GpuWeight:
     def table(self) -> bool:
         return self.name in TABLES
 
+    @property
+    def on_f16_engine(self) -> bool:
+        """Can a GEMM of this weight take the f16 engine (gemm.gemm_path's rule, which
+        sizes the f16 weight scratch here)?"""
+        return self.qtype in _F16_TYPES and not (self.table and self.qtype in MMQ_TYPES)
+
 
 class WeightStore:
     """The registered weights' planes, pointer map and memory, for one backend."""
@@ -97,7 +108,7 @@ class WeightStore:
         self.planes: dict[str, object] = {}       # "{name}__exp{od}x{id}" -> int8 (od, id) plane
         self.by_ptr: dict[int, object] = {}       # padded weight device pointer -> its plane
         self.bytes = {"q4_K weights": 0, "q6_K padded": 0, "other": 0}
-        self.f16_elems = 0                        # elements of the largest non-table q4_K/q6_K weight
+        self.f16_elems = 0                        # elements of the largest weight the f16 engine takes
 
     def register(self, name: str, info, raw: np.ndarray) -> GpuWeight:
         """info: minfer.gguf.TensorInfo of a 2-D tensor; raw: uint8 (rows, row_bytes) host bytes."""
@@ -105,9 +116,9 @@ class WeightStore:
         shape = tuple(int(s) for s in info.shape)
         n_in = shape[-1]
         n_out = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-        if qtype not in ROW_KERNELS:
+        if qtype not in SUPPORTED:
             raise MinferError(f"{name}: tensor type {qtype.name} is not supported by the CUDA "
-                              f"backend (supported: {', '.join(t.name for t in ROW_KERNELS)})")
+                              f"backend (supported: {', '.join(t.name for t in SUPPORTED)})")
         rb = quants.row_bytes(qtype, n_in)
         raw = np.asarray(raw)
         if raw.dtype != np.uint8 or raw.size != n_out * rb:
@@ -125,7 +136,7 @@ class WeightStore:
                       plane_tensor=is_plane_tensor(name, qtype, shape))
         self.bytes[kind] += w.data.nbytes
         weakref.finalize(w, self._forget, kind, w.data.nbytes)
-        if qtype in (QT.Q4_K, QT.Q6_K) and not w.table:
+        if w.on_f16_engine:
             self.f16_elems = max(self.f16_elems, n_out * n_in)
         if w.plane_tensor and self.settings.exp_planes:
             self._register_plane(w, host)
