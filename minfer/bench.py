@@ -14,10 +14,18 @@ CUDA graph, which the timed repetitions replay; MINFER_CUDA_GRAPHS=0 times the
 eager path instead), then r timed repetitions; prompt ids are seeded random ids
 in the vocabulary; every prefill starts at position 0 of one cache allocated
 once, so each repetition overwrites the same positions. The bench uses only
-the Backend interface (timer, counters, memory_report, memory_check).
+the Backend interface (timer, counters, memory_report, memory_check, device_info).
+
+Output (-o): md (tables, for people), json (one object), jsonl and csv (one
+record per test, for tools that track a figure over time). Every record names
+what made it: minfer's version, the git commit when running from a checkout,
+the device, driver and CUDA versions, the host CPU and a UTC timestamp.
+`--plot FILE.png` draws prefill tokens/s against prompt length (minfer[plot]).
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import statistics
@@ -28,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import MinferError
+from .runinfo import git_commit, host_cpu, utc_timestamp, version
 
 DECODE_DEPTH = 16      # default tokens in the KV cache before the timed decode steps
 
@@ -60,10 +69,14 @@ def time_decode(engine, cache, prompt: np.ndarray, n: int, timer) -> float:
     return timer.stop()
 
 
-def summary(n_tokens: int, seconds: list[float]) -> dict:
-    """Per-repetition tokens/s and their median, min, max, stdev."""
+def summary(n_tokens: int, seconds: list[float], n_prompt: int = 0, n_gen: int = 0,
+            n_depth: int = 0) -> dict:
+    """Per-repetition tokens/s and their median, min, max, stdev. A test is named by
+    llama-bench's three numbers: prompt tokens (pp), generated tokens (tg) and the
+    tokens already in the KV cache before the timed generation (depth)."""
     tps = [n_tokens / s for s in seconds]
-    return {"n_tokens": n_tokens, "reps": len(seconds), "seconds": seconds, "tok_s": tps,
+    return {"n_tokens": n_tokens, "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": n_depth,
+            "reps": len(seconds), "seconds": seconds, "tok_s": tps,
             "median": statistics.median(tps), "min": min(tps), "max": max(tps),
             "stdev": statistics.stdev(tps) if len(tps) > 1 else 0.0}
 
@@ -90,9 +103,15 @@ def add_arguments(p) -> None:
     p.add_argument("-d", "--n-depth", default=str(DECODE_DEPTH),
                    help=f"comma-separated tokens in the KV cache before each tg test (default "
                         f"{DECODE_DEPTH}); a test at another depth is named like llama-bench's 'tg128 @ d3325'")
-    p.add_argument("--backend", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--backend", default="auto",
+                   help="auto (default: cuda when cupy and a device are usable, else cpu), cuda or cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("-o", "--output", choices=tuple(FORMATS), default="md",
+                   help="md: tables (default); json: one object; jsonl, csv: one record per test")
+    p.add_argument("--json", dest="output", action="store_const", const="json", help="the same as -o json")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="also draw prefill tokens/s against prompt length into FILE (.png, .svg, .pdf; "
+                        "needs minfer[plot])")
 
 
 def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed: int = 0,
@@ -104,8 +123,9 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
     if n_decode < 0:
         raise MinferError(f"-n must be 0 or more, got {n_decode}")
     n_ctx = max(max(lengths), max(depths) + n_decode)
+    stamp = utc_timestamp()
     t0 = time.perf_counter()
-    engine = Engine.load(model, backend=backend, n_ctx=n_ctx, progress=False)
+    engine = Engine.load(model, backend=backend, n_ctx=n_ctx, progress=True)
     engine.backend.synchronize()
     load_s = time.perf_counter() - t0          # file -> device, W_exp planes included
     cache = engine.new_cache(n_ctx)
@@ -125,14 +145,22 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
 
     tests = {}
     for P, tokens in prompts.items():
-        tests[f"pp{P}"] = summary(P, [time_prefill(engine, cache, tokens, timer) for _ in range(reps)])
+        tests[f"pp{P}"] = summary(P, [time_prefill(engine, cache, tokens, timer) for _ in range(reps)],
+                                  n_prompt=P)
     for d, dprompt in dprompts.items() if n_decode else ():
         name = f"tg{n_decode}" + ("" if d == DECODE_DEPTH else f" @ d{d}")
         tests[name] = summary(
-            n_decode, [time_decode(engine, cache, dprompt, n_decode, timer) for _ in range(reps)])
+            n_decode, [time_decode(engine, cache, dprompt, n_decode, timer) for _ in range(reps)],
+            n_gen=n_decode, n_depth=d)
 
     gf = engine.gf
+    info = be.device_info()
     return {
+        "minfer_version": version(),
+        "git_commit": git_commit(),
+        "timestamp": stamp,
+        **{k: info.get(k) for k in DEVICE_KEYS},
+        "cpu": host_cpu(),
         "model": str(model),
         "model_name": Path(model).name,
         "size_bytes": os.path.getsize(model),
@@ -148,6 +176,56 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
     }
 
 
+# --- output ----------------------------------------------------------------------
+
+DEVICE_KEYS = ("device", "driver", "cuda_driver", "cuda_runtime")      # Backend.device_info()
+# one record per test (jsonl, csv): what made it, the model, the test, the figures
+RECORD_KEYS = ("minfer_version", "git_commit", "timestamp", "backend", *DEVICE_KEYS, "cpu",
+               "model_name", "size_bytes", "params", "n_ctx", "seed", "load_s",
+               "test", "n_prompt", "n_gen", "n_depth", "reps",
+               "median_tok_s", "stdev_tok_s", "min_tok_s", "max_tok_s")
+
+
+def records(r: dict) -> list[dict]:
+    """The report as flat records, one per test (the keys of RECORD_KEYS; jsonl
+    adds each repetition's seconds and tokens/s)."""
+    out = []
+    for name, t in r["tests"].items():
+        rec = {k: r.get(k) for k in RECORD_KEYS[:RECORD_KEYS.index("test")]}
+        rec.update(test=name, n_prompt=t["n_prompt"], n_gen=t["n_gen"], n_depth=t["n_depth"],
+                   reps=t["reps"], median_tok_s=t["median"], stdev_tok_s=t["stdev"],
+                   min_tok_s=t["min"], max_tok_s=t["max"])
+        out.append(rec)
+    return out
+
+
+def format_jsonl(r: dict) -> str:
+    return "\n".join(json.dumps({**rec, "seconds": t["seconds"], "tok_s": t["tok_s"]})
+                     for rec, t in zip(records(r), r["tests"].values()))
+
+
+def format_csv(r: dict) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=RECORD_KEYS, lineterminator="\n")
+    w.writeheader()
+    w.writerows(records(r))
+    return buf.getvalue().rstrip("\n")
+
+
+def provenance(r: dict) -> str | None:
+    """`minfer 0.1.0 (git e7d32d3) | cuda on NVIDIA H200 (driver ..., CUDA ...) | host ... | time`;
+    None for a report without these keys."""
+    if "minfer_version" not in r:
+        return None
+    head = f"minfer {r['minfer_version']}" + (f" (git {r['git_commit']})" if r.get("git_commit") else "")
+    versions = [f"{label} {r[k]}" for label, k in (("driver", "driver"), ("CUDA", "cuda_driver"),
+                                                   ("runtime", "cuda_runtime")) if r.get(k)]
+    device = f"{r['backend']} on {r.get('device')}" + (f" ({', '.join(versions)})" if versions else "")
+    # the CPU backend's device is the host: named once
+    host = [] if r.get("cpu") == r.get("device") else [f"host {r.get('cpu')}"]
+    return " | ".join([head, device, *host, r.get("timestamp") or "?"])
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -155,7 +233,9 @@ def _gib(n: int) -> str:
 def format_report(r: dict) -> str:
     size = _gib(r["size_bytes"])
     params = f"{r['params'] / 1e9:.2f} B"
-    lines = [f"load: {r['load_s']:.2f} s (file to {r['backend']} memory, W_exp planes included where registered)",
+    head = provenance(r)
+    lines = ([head, ""] if head else []) + [
+             f"load: {r['load_s']:.2f} s (file to {r['backend']} memory, W_exp planes included where registered)",
              "",
              "| model | size | params | backend | test | t/s |",
              "| --- | ---: | ---: | --- | ---: | ---: |"]
@@ -180,10 +260,20 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+FORMATS = {"md": format_report, "json": json.dumps, "jsonl": format_jsonl, "csv": format_csv}
+
+
 def main(args) -> int:
+    if args.plot:
+        from .plot import check_plot_target
+        check_plot_target(args.plot)        # now, not after minutes of measuring
     r = run(args.model, parse_lengths(args.prompt_lengths), args.reps, args.n_decode,
             args.backend, args.seed, tuple(parse_lengths(args.n_depth, "-d")))
-    print(json.dumps(r) if args.json else format_report(r))
+    print(FORMATS[args.output](r))
+    if args.plot:
+        from .plot import plot_throughput
+        plot_throughput(r, args.plot)
+        print(f"minfer: plot written to {args.plot}", file=sys.stderr)
     problem = (r.get("memory_check") or {}).get("problem")
     if problem:
         raise MinferError(f"memory check failed: {problem}")

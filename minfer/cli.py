@@ -1,4 +1,5 @@
-"""The `minfer` command: generate, tokenize, pull, perplexity (+ bench, twin from their modules).
+"""The `minfer` command: generate, tokenize, pull, perplexity (+ bench, twin from their modules),
+built on the Python front door (minfer.engine.Engine).
 
 Bad input of any kind is one line `minfer: error: ...` on stderr and exit code 2
 (MinferError, OSError on files, argument errors). Anything else is a bug and
@@ -6,7 +7,9 @@ keeps its traceback.
 
 Text input (-p, --system, -f FILE, -f - for stdin) must be UTF-8: anything else
 is an error naming the input and the byte offset (no replacement characters:
-the tokens would silently differ from the text). Prompt files are read up to
+the tokens would silently differ from the text). Escape sequences in -p are
+processed as llama.cpp does (minfer/escapes.py; --no-escape keeps them as
+written); files, stdin and --system are taken as written. Prompt files are read up to
 MAX_TEXT_BYTES. When the reader of stdout goes away (`minfer generate ... | head
 -c 5`) the command stops quietly with status 141, which is what a shell reports
 for a tool killed by SIGPIPE (`yes`, `cat`), so `set -o pipefail` sees the same.
@@ -20,6 +23,7 @@ import os
 import sys
 
 from .errors import MinferError
+from .escapes import process_escapes
 
 MAX_TEXT_BYTES = 64 << 20      # prompt and perplexity files: 64 MiB
 EXIT_SIGPIPE = 128 + 13        # the shell's status for a process killed by SIGPIPE
@@ -71,17 +75,34 @@ def _read_text(path: str) -> str:
     return _utf8(data, what)
 
 
-def _arg_text(text: str | None, flag: str) -> str | None:
+def _arg_text(text: str | None, flag: str, escapes: bool = False) -> str | None:
     """A command-line argument as checked UTF-8 text. Python decodes argv with
     surrogateescape, so undecodable bytes arrive as lone surrogates: recover the
-    bytes and apply the same rule as to files."""
+    bytes and apply the same rule as to files. escapes: process llama.cpp's
+    escape sequences first (they work on bytes: \\xc3\\xa9 is one character)."""
     if text is None:
         return None
     try:
         data = text.encode("utf-8", errors="surrogateescape")
     except UnicodeEncodeError as e:        # a surrogate that no byte produced
         raise MinferError(f"{flag} is not valid text (lone surrogate at character {e.start})") from None
+    if escapes:
+        processed = process_escapes(data)
+        if processed != data:
+            return _utf8(processed, f"{flag} (after escape processing; --no-escape keeps it as written)")
     return _utf8(data, flag)
+
+
+def _prompt_text(args) -> str:
+    """The text of -p (escapes processed unless --no-escape) or of -f FILE / -f -."""
+    if args.file is not None:
+        return _read_text(args.file)
+    return _arg_text(args.prompt, "-p", escapes=not args.no_escape)
+
+
+def _tps(x: float | None) -> str:
+    """tokens/s for people: n/a where nothing was timed (one generated token)"""
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 class _StdoutClosed(Exception):
@@ -103,27 +124,29 @@ def _stdout_closed() -> int:
 # --- generate -----------------------------------------------------------------
 def cmd_generate(args) -> int:
     from .engine import Engine, ModelFile
-    from .generate import GenerationStats, generate
-    from .prompt import prompt_ids
+    from .prompt import check_fits, prompt_ids
 
-    prompt = _arg_text(args.prompt, "-p") if args.file is None else _read_text(args.file)
+    prompt = _prompt_text(args)
     system = _arg_text(args.system, "--system")
     if prompt == "":
         raise MinferError("empty prompt: give some text with -p or -f")
     if args.n_predict < 0:
         raise MinferError(f"-n must be >= 0, got {args.n_predict}")
-    mf = ModelFile.open(_model_path(args), args.ctx_size)
+    model = _model_path(args)
+    mf = ModelFile.open(model, args.ctx_size)
     ids = prompt_ids(mf.tokenizer, prompt, chat=args.chat, system=system)
-    if len(ids) > mf.n_ctx:
-        raise MinferError(f"the prompt is {len(ids)} tokens, longer than the context of {mf.n_ctx}; "
-                          f"shorten it or raise -c")
+    check_fits(len(ids), mf.n_ctx)                      # before the weights are loaded
     engine = Engine.from_file(mf, args.backend, progress=not args.quiet)
-    stats = GenerationStats()
-    for _ in generate(engine, ids, args.n_predict, ignore_eos=args.ignore_eos, on_text=_out, stats=stats):
-        pass
-    note = {"context": " (context full)", "eog": " (end of generation)"}.get(stats.stop, "")
-    print(f"\nprompt: {stats.n_prompt} tokens, {stats.prompt_tps:.2f} tok/s | "
-          f"generation: {stats.n_generated} tokens, {stats.decode_tps:.2f} tok/s{note} "
+    # --json: stdout is one JSON object at the end, nothing streamed before it
+    gen = engine.generate(ids, args.n_predict, ignore_eos=args.ignore_eos,
+                          on_text=None if args.json else _out)
+    s = gen.stats
+    if args.json:
+        _out(json.dumps({"model": str(model), "backend": engine.backend.name, **gen.to_dict()},
+                        ensure_ascii=False) + "\n")
+    note = {"context": " (context full)", "eog": " (end of generation)"}.get(s.stop, "")
+    print(("" if args.json else "\n") + f"prompt: {s.n_prompt} tokens, {_tps(s.prompt_tps)} tok/s | "
+          f"generation: {s.n_generated} tokens, {_tps(s.decode_tps)} tok/s{note} "
           f"[{engine.backend.name}]", file=sys.stderr)
     return 0
 
@@ -134,10 +157,14 @@ def cmd_tokenize(args) -> int:
 
     if (args.prompt is None) == (args.file is None):
         raise MinferError("give exactly one of -p TEXT or -f FILE")
-    text = _arg_text(args.prompt, "-p") if args.file is None else _read_text(args.file)
+    text = _prompt_text(args)
     mf = ModelFile.open(_model_path(args))
-    ids = mf.tokenizer.encode(text, parse_special=not args.no_parse_special)
-    _out(json.dumps([int(i) for i in ids]) + "\n")
+    ids = mf.tokenizer.encode(text, parse_special=not args.no_parse_special,
+                              add_bos=False if args.no_bos else None)
+    out = json.dumps([int(i) for i in ids]) + "\n"
+    if args.show_count:             # llama-tokenize's line, after the ids
+        out += f"Total number of tokens: {len(ids)}\n"
+    _out(out)
     return 0
 
 
@@ -154,12 +181,14 @@ def cmd_perplexity(args) -> int:
     from .engine import Engine, ModelFile
     from .perplexity import perplexity, perplexity_tokens
 
+    if args.chunks is not None and args.chunks < 1:
+        raise MinferError(f"--chunks must be at least 1, got {args.chunks}")
     text = _read_text(args.file)
     mf = ModelFile.open(_model_path(args), args.ctx_size)
     tokens = perplexity_tokens(mf.tokenizer, text, args.ctx_size)     # before the weights load
-    engine = Engine.from_file(mf, args.backend, progress=True)
-    res = perplexity(engine, text, n_ctx=args.ctx_size, progress=True,
-                     on_chunk=lambda i, p: _out(f"[{i}]{p:.4f},"), tokens=tokens)
+    engine = Engine.from_file(mf, args.backend, progress=not args.quiet)
+    res = perplexity(engine, text, n_ctx=args.ctx_size, progress=not args.quiet,
+                     on_chunk=lambda i, p: _out(f"[{i}]{p:.4f},"), tokens=tokens, max_chunks=args.chunks)
     _out(f"\nFinal estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}\n")
     return 0
 
@@ -179,9 +208,22 @@ def _run_extension(name: str, argv: list[str]) -> int:
     return mod.main(p.parse_args(argv)) or 0
 
 
+class _Version(argparse.Action):
+    """--version: the line is made only when asked (it may run git)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the version (and git commit) and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .runinfo import version_line
+        _out(version_line() + "\n")
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="minfer", description="Prefill GGUF-quantized LLMs on an NVIDIA GPU, "
+    ap = _Parser(prog="minfer", description="Run GGUF-quantized LLMs on an NVIDIA GPU, "
                                             "with a NumPy reference on the CPU.")
+    ap.add_argument("--version", action=_Version)
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -189,27 +231,44 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-m", "--model", metavar="PATH",
                        help="GGUF file (default: the pulled Qwen2.5-Coder-1.5B-Instruct Q4_K_M)")
 
+    def backend_arg(p):
+        p.add_argument("--backend", default="auto",
+                       help="auto (default: cuda when cupy and a device are usable, else cpu), cpu or cuda")
+
+    def no_escape_arg(p):
+        p.add_argument("--no-escape", action="store_true",
+                       help="take -p as written (default: process escapes like \\n, \\t, \\xHH as llama.cpp does)")
+
     g = sub.add_parser("generate", help="greedy generation, streamed to stdout")
     model_arg(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text (special tokens like <|im_start|> are parsed)")
-    src.add_argument("-f", "--file", help="read the prompt from FILE (- for stdin)")
+    src.add_argument("-f", "--file", help="read the prompt from FILE (- for stdin), as written")
+    no_escape_arg(g)
     g.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     g.add_argument("-c", "--ctx-size", type=int, default=None,
                    help="context size (default: min(training context, 4096))")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="system message for --chat")
-    g.add_argument("--backend", default="cpu", help="cpu or cuda (default cpu)")
+    backend_arg(g)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
-    g.add_argument("-q", "--quiet", action="store_true", help="no load progress bar")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object at the end (prompt and generated ids, text, stop reason, "
+                        "timings) instead of streaming the text")
+    g.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bar and no line naming the backend auto chose")
     g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser("tokenize", help="print token ids as a JSON list")
     model_arg(t)
     t.add_argument("-p", "--prompt", help="text to tokenize")
-    t.add_argument("-f", "--file", help="read the text from FILE (- for stdin)")
+    t.add_argument("-f", "--file", help="read the text from FILE (- for stdin), as written")
+    no_escape_arg(t)
     t.add_argument("--no-parse-special", action="store_true",
                    help="treat special-token text like <|im_end|> as plain text")
+    t.add_argument("--no-bos", action="store_true", help="add no BOS token even where the model adds one")
+    t.add_argument("--show-count", action="store_true",
+                   help="then print 'Total number of tokens: N' (as llama-tokenize does)")
     t.set_defaults(func=cmd_tokenize)
 
     pl = sub.add_parser("pull", help="download, verify and cache a model")
@@ -222,7 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg(pp)
     pp.add_argument("-f", "--file", required=True, help="text file (- for stdin)")
     pp.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens (default 512)")
-    pp.add_argument("--backend", default="cpu", help="cpu or cuda (default cpu)")
+    pp.add_argument("--chunks", type=int, default=None, help="evaluate at most N chunks (default: all)")
+    backend_arg(pp)
+    pp.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress bar and no line naming the backend auto chose")
     pp.set_defaults(func=cmd_perplexity)
 
     for name, modname in EXTENSIONS.items():

@@ -1,18 +1,23 @@
 """One loaded model: file, config, tokenizer, backend, weights and graph, built in order
-(docs/DESIGN.md, data flow). The CLI, tests and benchmarks all start here."""
+(docs/DESIGN.md, data flow), and the calls a Python user makes on it (Engine).
+The CLI, tests and benchmarks all start here."""
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import numpy as np
 
 from .backend import get_backend
 from .backend.base import Backend
 from .config import ModelConfig
 from .errors import MinferError
+from .generate import Generation, complete
 from .graph.transformer import Transformer
 from .graph.weights import Weights, load_weights
+from .prompt import chat_ids, check_fits, prompt_ids, render_chat
 
 DEFAULT_MAX_CTX = 4096      # default context: the model's training context, capped here
 MAX_CTX = 2**31 - 1         # positions are int32 on the device; memory bounds it far sooner
@@ -55,23 +60,48 @@ class ModelFile:
             raise
 
 
-@dataclass
+@dataclass(repr=False)
 class Engine:
+    """A loaded model, and the Python front door to it:
+
+        from minfer import Engine
+        with Engine.load("model.gguf") as engine:          # backend "auto": cuda if usable, else cpu
+            out = engine.generate("def fibonacci(n):", max_tokens=64)
+            print(out.text, out.stop, out.stats.decode_tps)
+
+    generate / logits / tokenize / detokenize / apply_chat_template are the calls
+    for users; the parts (.cfg .tokenizer .backend .weights .model, new_cache())
+    stay public for the tests, the benchmarks and the scripts.
+    """
     gf: Any                 # minfer.gguf.GGUFFile
     cfg: ModelConfig
     tokenizer: Any          # minfer.tokenizer.Tokenizer
     backend: Backend
     weights: Weights
     model: Transformer
-    n_ctx: int              # default context of new_cache()
+    n_ctx: int              # default context of new_cache() and of the front door's calls
+    _cache: Any = field(default=None, init=False)       # the front door's KV cache, made once
+    _closed: bool = field(default=False, init=False)
 
     @classmethod
-    def load(cls, path, backend: str = "cpu", n_ctx: int | None = None, progress: bool = True) -> "Engine":
+    def load(cls, path=None, backend: str = "auto", n_ctx: int | None = None,
+             progress: bool = True) -> "Engine":
+        """Open, check and load a GGUF model.
+
+        path: the GGUF file (None: the default model, pulled if not cached).
+        backend: "auto" (cuda when cupy and a device are usable, else cpu), "cpu" or "cuda".
+        n_ctx: the context in tokens (default: min(training context, 4096)).
+        progress: report on stderr: the backend "auto" chose (one line) and, on a
+        terminal, a progress bar while the weights load.
+        """
+        if path is None:
+            from .pull import ensure_model
+            path = ensure_model(progress=progress)
         return cls.from_file(ModelFile.open(path, n_ctx), backend, progress)
 
     @classmethod
-    def from_file(cls, mf: ModelFile, backend: str = "cpu", progress: bool = True) -> "Engine":
-        be = get_backend(backend, mf.cfg)
+    def from_file(cls, mf: ModelFile, backend: str = "auto", progress: bool = True) -> "Engine":
+        be = get_backend(backend, mf.cfg, announce=progress)
         with be.guard("loading the weights"):
             weights = load_weights(mf.gf, mf.cfg, be, progress=progress)
         # Backends copy what they need at load, so the mapping can go: a file
@@ -85,4 +115,110 @@ class Engine:
 
     def new_cache(self, n_ctx: int | None = None):
         """An empty KV cache for n_ctx positions (default: the engine's context)."""
+        self._check_open()
         return self.backend.new_cache(n_ctx or self.n_ctx)
+
+    # --- the front door ---------------------------------------------------------------
+    def tokenize(self, text: str, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """text -> token ids. add_bos None: the model's own rule; parse_special:
+        special-token text such as <|im_start|> becomes its token."""
+        if not isinstance(text, str):
+            raise MinferError(f"tokenize takes text (str), got {type(text).__name__}")
+        return self.tokenizer.encode(text, parse_special=parse_special, add_bos=add_bos)
+
+    def detokenize(self, ids, *, special: bool = True) -> str:
+        """token ids -> text; special=False leaves out control tokens (BOS, <|im_end|>)."""
+        return self.tokenizer.decode(self._token_ids(ids, "ids", allow_empty=True).tolist(), special=special)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The model's chat template around messages [{"role": ..., "content": ...}]
+        -> prompt text (with the model's BOS/EOS texts where the template puts them)."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt)
+
+    def generate(self, prompt, max_tokens: int = 128, *, chat: bool = False, system: str | None = None,
+                 ignore_eos: bool = False, on_text: Callable[[str], None] | None = None) -> Generation:
+        """Greedy generation -> Generation (.text, .ids, .prompt_ids, .stop, .stats timings).
+
+        prompt: text (tokenized with the model's BOS rule, special-token text parsed),
+        token ids, or a list of chat messages. chat=True renders text as the user
+        message of the chat template, after an optional `system` message.
+        Stops after max_tokens, at an end-of-generation token (unless ignore_eos)
+        or when the context is full; on_text receives the text as it is produced.
+        """
+        self._check_open()
+        if isinstance(prompt, str):
+            if system is not None and not chat:
+                raise MinferError("a system message needs chat=True")
+            ids = prompt_ids(self.tokenizer, prompt, chat=chat, system=system)
+        elif _is_messages(prompt):
+            if system is not None:
+                raise MinferError("with a list of messages, give the system message as its first message")
+            ids = chat_ids(self.tokenizer, list(prompt))
+        else:
+            if chat or system is not None:
+                raise MinferError("chat=True needs text or a list of messages, not token ids")
+            ids = self._token_ids(prompt, "prompt")
+        check_fits(len(ids), self.n_ctx)
+        return complete(self, ids, max_tokens, ignore_eos=ignore_eos, on_text=on_text,
+                        cache=self._front_cache())
+
+    def logits(self, ids) -> np.ndarray:
+        """The logits after every position of ids (from position 0) -> float32
+        (len(ids), vocab), as computed (not checked for NaN)."""
+        self._check_open()
+        tokens = self._token_ids(ids, "ids")
+        check_fits(len(tokens), self.n_ctx)
+        return self.model.forward(tokens, 0, self._front_cache(), logits_from=0)
+
+    def close(self) -> None:
+        """Drop the weights and caches and let the backend give back its memory;
+        any later call raises. Also what leaving a `with` block does."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cache = None
+        self.weights = self.model = None
+        self.backend.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = ", closed" if self._closed else ""
+        return f"Engine({self.gf.path!r}, backend={self.backend.name!r}, n_ctx={self.n_ctx}{state})"
+
+    # --- helpers ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MinferError("this engine is closed")
+
+    def _front_cache(self):
+        # one cache for every front-door call: each starts at position 0 and
+        # rewrites every entry it reads, and a backend's captured graphs stay valid
+        if self._cache is None:
+            self._cache = self.new_cache()
+        return self._cache
+
+    def _token_ids(self, ids, what: str, allow_empty: bool = False) -> np.ndarray:
+        """ids as int32 (n,), each a token of this model's vocabulary."""
+        a = np.asarray(ids)
+        if a.size == 0 and a.ndim == 1:
+            if allow_empty:
+                return a.astype(np.int32)
+            raise MinferError(f"empty {what}: give at least one token id")
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise MinferError(f"{what} must be text or a flat sequence of integer token ids, "
+                              f"got {type(ids).__name__} of {a.dtype} with shape {a.shape}")
+        vocab = self.cfg.vocab_size
+        bad = (a < 0) | (a >= vocab)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise MinferError(f"{what}[{i}] = {int(a[i])} is not a token id of this model (0..{vocab - 1})")
+        return a.astype(np.int32)
+
+
+def _is_messages(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(m, dict) for m in x)

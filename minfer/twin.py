@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -97,9 +96,8 @@ def make_twin(header_path=None, out_path=None, seed: int = 0, workers: int | Non
     bytes zero (the file is still complete and valid: zero k-quant blocks have d = 0);
     it exists for tests. Written to OUT.part, verified, then renamed.
     """
-    from tqdm import tqdm
-
     from .gguf import open_gguf
+    from .progress import bar as progress_bar
 
     header_path = Path(header_path) if header_path is not None else header_7b_path()
     out_path = Path(out_path) if out_path is not None else default_output()
@@ -126,8 +124,7 @@ def make_twin(header_path=None, out_path=None, seed: int = 0, workers: int | Non
 
     jobs = jobs_for(hdr, names, seed)
     total = sum((j[5] - j[4]) * hdr.tensors[j[0]].row_bytes for j in jobs)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="twin", disable=not progress,
-               file=sys.stderr)
+    bar = progress_bar(enabled=progress, total=total, unit="B", unit_scale=True, desc="twin")
     if workers == 1 or len(jobs) == 1:
         _open_out(str(part))
         try:

@@ -51,7 +51,8 @@ def main() -> int:
         want16 = tok.encode(want, parse_special=False, add_bos=False)[:16]
         head = repr(c["prompt"][:28])
         print(f"| {head} | {common_prefix(text, want)} / {len(want)} | "
-              f"{'equal' if out[:16] == want16 else 'differ'} | {st.decode_tps:.1f} |")
+              f"{'equal' if out[:16] == want16 else 'differ'} | "
+              f"{'n/a' if st.decode_tps is None else f'{st.decode_tps:.1f}'} |")
     return 0
 
 

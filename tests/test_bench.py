@@ -40,6 +40,99 @@ def test_bench_json_cpu(tiny_model, capsys):
     assert r["memory_check"] == {}              # nor W_exp planes to check
 
 
+def _bench(capsys, tiny_model, *argv) -> tuple[int, str, str]:
+    from minfer.cli import main
+    capsys.readouterr()
+    rc = main(["bench", "-m", str(tiny_model), "--backend", "cpu", "-p", "8,13", "-r", "2", "-n", "2",
+               *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _check_provenance(rec: dict) -> None:
+    from datetime import datetime
+
+    from minfer.runinfo import git_commit, host_cpu, version
+    assert rec["minfer_version"] == version() and rec["git_commit"] == git_commit()
+    datetime.strptime(rec["timestamp"], "%Y-%m-%dT%H:%M:%SZ")           # ISO 8601, UTC
+    assert rec["backend"] == "cpu" and rec["device"] == rec["cpu"] == host_cpu()
+    assert rec["driver"] is None and rec["cuda_driver"] is None and rec["cuda_runtime"] is None
+
+
+@pytest.mark.parametrize("flags", [["-o", "json"], ["--json"]])
+def test_bench_json_carries_provenance(tiny_model, capsys, flags):
+    rc, out, _ = _bench(capsys, tiny_model, *flags)
+    r = json.loads(out)
+    _check_provenance(r)
+    assert [(t["n_prompt"], t["n_gen"], t["n_depth"]) for t in r["tests"].values()] == \
+        [(8, 0, 0), (13, 0, 0), (0, 2, 16)]
+
+
+def test_bench_jsonl_and_csv_records(tiny_model, capsys):
+    import csv
+    import io
+
+    from minfer.bench import RECORD_KEYS
+    rc, out, _ = _bench(capsys, tiny_model, "-o", "jsonl")
+    recs = [json.loads(line) for line in out.splitlines()]
+    assert [r["test"] for r in recs] == ["pp8", "pp13", "tg2"]
+    for r in recs:
+        _check_provenance(r)
+        assert set(r) == set(RECORD_KEYS) | {"seconds", "tok_s"}
+        assert len(r["tok_s"]) == r["reps"] == 2 and r["min_tok_s"] <= r["median_tok_s"] <= r["max_tok_s"]
+    rc, out, _ = _bench(capsys, tiny_model, "-o", "csv")
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert out.splitlines()[0].split(",") == list(RECORD_KEYS)
+    assert [r["test"] for r in rows] == ["pp8", "pp13", "tg2"]
+    assert [int(r["n_prompt"]) for r in rows] == [8, 13, 0] and float(rows[2]["median_tok_s"]) > 0
+    assert rows[0]["minfer_version"] == recs[0]["minfer_version"] and rows[0]["driver"] == ""
+
+
+def test_bench_md_names_what_made_it(tiny_model, capsys):
+    from minfer.runinfo import version
+    rc, out, _ = _bench(capsys, tiny_model, "-o", "md")
+    first = out.splitlines()[0]
+    assert first.startswith(f"minfer {version()}") and "| cpu on " in first and first.endswith("Z")
+    assert "| pp13 |" in out
+
+
+def test_bench_plot(tiny_model, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "sweep.png"
+    rc, out, err = _bench(capsys, tiny_model, "-p", "8,16,32", "-d", "4,12", "-r", "1", "--plot", png)
+    assert rc == 0, err
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert f"plot written to {png}" in err
+
+
+def test_plot_a_saved_report(tiny_model, capsys, tmp_path):
+    """A report saved with -o json (where matplotlib is missing: the GPU machine) drawn later."""
+    pytest.importorskip("matplotlib")
+    from minfer.plot import main as plot_main
+    rc, out, _ = _bench(capsys, tiny_model, "-o", "json")
+    report = tmp_path / "r.json"
+    report.write_text(out)
+    assert plot_main([str(report), str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    report.write_text("[1, 2]")
+    assert plot_main([str(report), str(tmp_path / "s.png")]) == 2
+    assert "not a `minfer bench -o json` report" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target, fragment", [("sweep.png", "pip install 'minfer[plot]'"),
+                                              ("sweep.nope", "cannot tell the image type"),
+                                              ("no/such/dir/sweep.png", "no folder")])
+def test_bench_plot_errors_before_measuring(tiny_model, capsys, tmp_path, monkeypatch, target, fragment):
+    if target.endswith(".png") and "/" not in target:
+        monkeypatch.setitem(sys.modules, "matplotlib.figure", None)     # as if not installed
+    else:
+        pytest.importorskip("matplotlib")
+    rc, out, err = _bench(capsys, tiny_model, "--plot", tmp_path / target)
+    assert rc == 2 and out == ""                       # refused before anything ran
+    assert err.startswith("minfer: error:") and fragment in err and err.count("\n") == 1
+
+
 def test_bench_table_cpu(tiny_model, capsys):
     from minfer.cli import main
     assert main(["bench", "-m", str(tiny_model), "--backend", "cpu", "-p", "5", "-r", "1", "-n", "0"]) == 0

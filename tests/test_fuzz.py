@@ -12,6 +12,7 @@ last tests need real processes: a closed stdout, a model file truncated under a 
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import time
@@ -156,10 +157,17 @@ def run(argv: list[str], capsys, stdin: bytes | None = None, monkeypatch=None) -
     return rc, out, err, dt
 
 
+BACKEND_NOTE = re.compile(r"minfer: backend (cpu|cuda) \(.+\)")
+
+
 def error_lines(err: str) -> list[str]:
-    """The lines of stderr as a terminal shows them: a progress bar erased with \\r is
-    not a line."""
-    return [line.rsplit("\r", 1)[-1] for line in err.split("\n") if line.rsplit("\r", 1)[-1].strip()]
+    """The lines of stderr as a terminal shows them, less the one note that names
+    the backend `--backend auto` chose (it comes before a failure after the choice):
+    a progress bar erased with \\r is not a line."""
+    shown = [line.rsplit("\r", 1)[-1] for line in err.split("\n") if line.rsplit("\r", 1)[-1].strip()]
+    if shown and BACKEND_NOTE.fullmatch(shown[0]):
+        shown = shown[1:]
+    return shown
 
 
 def assert_one_line_error(rc: int, err: str, dt: float, fragment: str) -> None:
@@ -270,7 +278,7 @@ TENSORS = [
     ("ffn_up-3d", lambda s: tensor(s, "blk.0.ffn_up.weight", np.ones((2, FF // 2, D), np.float32)), "ffn_up"),
     ("extra-layer-tensor", lambda s: tensor(s, "blk.2.attn_q.weight", np.ones((D, D), np.float32)), "blk.2.attn_q.weight"),
     ("extra-rope_freqs", lambda s: tensor(s, "rope_freqs.weight", np.ones(4, np.float32)), "rope_freqs.weight"),
-    ("unsupported-type-q4_0", lambda s: tensor(s, "blk.0.attn_q.weight", (np.zeros((D, 18), np.uint8), Q.Q4_0)), "Q4_0"),
+    ("unsupported-type-iq4_nl", lambda s: tensor(s, "blk.0.attn_q.weight", (np.zeros((D, 18), np.uint8), Q.IQ4_NL)), "IQ4_NL"),
     ("unsupported-type-f64", lambda s: tensor(s, "blk.0.ffn_norm.weight", np.ones(D, np.float64)), "F64"),
 ]
 

