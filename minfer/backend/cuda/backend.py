@@ -233,6 +233,20 @@ class CUDABackend(Backend):
         return (self.gemm.scratch(), self._cos_sin)
 
     # --- measurement -----------------------------------------------------------
+    def device_info(self) -> dict[str, str | None]:
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        name = props["name"]
+        return {"device": name.decode() if isinstance(name, bytes) else str(name),
+                "driver": _nvidia_driver_version(),
+                "cuda_driver": _cuda_version(cp.cuda.runtime.driverGetVersion()),
+                "cuda_runtime": _cuda_version(cp.cuda.runtime.runtimeGetVersion())}
+
+    def close(self) -> None:
+        """Free the memory pools' cached blocks (the arrays are already dropped)."""
+        self.synchronize()
+        cp.get_default_memory_pool().free_all_blocks()
+        cp.get_default_pinned_memory_pool().free_all_blocks()
+
     def timer(self) -> Timer:
         return CudaTimer(self)
 
@@ -262,3 +276,19 @@ class CUDABackend(Backend):
         expected = expected_plane_bytes(tensors, self._settings)
         return {"W_exp planes expected": expected,
                 "problem": plane_check(expected, self.store.planes)}
+
+
+def _cuda_version(v: int) -> str:
+    """CUDA's integer version (12080) -> "12.8"."""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _nvidia_driver_version() -> str | None:
+    """The NVIDIA kernel driver's version, from /proc (Linux), else None."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            head = f.readline()
+    except OSError:
+        return None
+    words = head.split()
+    return next((w for w in words if w[:1].isdigit() and "." in w), None)
