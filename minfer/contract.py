@@ -8,10 +8,15 @@ one MinferError line naming the key or tensor:
                              (ModelConfig.from_gguf calls it)
   check_tensors(gf, cfg)     every tensor's shape and type against expected_tensors(cfg)
   check_tokenizer(gf, cfg)   the tokenizer arrays' types and lengths, BYTE tokens,
-                             special token ids, flags and the chat template's type
+                             special token ids, flags and the chat template's type;
+                             one token per embedding row
+  check_vocabulary(gf)       the same without a model: all that tokenizing needs
+                             (minfer.tokenizer.open_tokenizer; llama.cpp's
+                             vocabulary-only GGUFs have no tensors and need not
+                             have a config this graph can run)
 
-ModelFile.open (minfer/engine.py) runs all three before the tokenizer is built
-and before any backend exists. Weight values are not scanned (a NaN costs a
+ModelFile.open (minfer/engine.py) runs the first three before the tokenizer is
+built and before any backend exists. Weight values are not scanned (a NaN costs a
 full pass over 1+ GB); non-finite logits stop generation and perplexity instead.
 """
 from __future__ import annotations
@@ -188,6 +193,17 @@ def _array(gf, key: str, item_ok, what: str, n: int | None = None) -> list | Non
 def check_tokenizer(gf, cfg) -> None:
     """The vocabulary is one token list of the embedding's size, the parallel arrays
     match it in type and length, BYTE tokens read <0xXX>, special ids are in range."""
+    _check_vocabulary(gf, cfg.vocab_size)
+
+
+def check_vocabulary(gf) -> int:
+    """check_tokenizer without a model: the token list's own length is the vocabulary
+    size -> that size."""
+    return _check_vocabulary(gf, None)
+
+
+def _check_vocabulary(gf, n_rows: int | None) -> int:
+    """n_rows: the embedding table's rows, which the token list must match (None: no model)."""
     K = Keys.Tokenizer
     for key in (K.MODEL, K.PRE, K.CHAT_TEMPLATE):
         v = gf.get(key)
@@ -197,9 +213,9 @@ def check_tokenizer(gf, cfg) -> None:
     if not tokens:
         raise MinferError(f"{gf.path}: {K.LIST} missing or empty")
     n = len(tokens)
-    if n != cfg.vocab_size:
+    if n_rows is not None and n != n_rows:
         raise MinferError(f"{gf.path}: {K.LIST} has {n} tokens, the embedding table "
-                          f"token_embd.weight has {cfg.vocab_size} rows")
+                          f"token_embd.weight has {n_rows} rows")
     types = _array(gf, K.TOKEN_TYPE, lambda x: _is_int(x) and x in _TOKEN_TYPES,
                    f"a token type ({min(_TOKEN_TYPES)}..{max(_TOKEN_TYPES)})", n)
     _array(gf, K.SCORES, lambda x: type(x) in (int, float) and math.isfinite(x), "a finite number", n)
@@ -217,6 +233,7 @@ def check_tokenizer(gf, cfg) -> None:
         v = gf.get(key)
         if v is not None and type(v) is not bool:
             raise MinferError(f"{gf.path}: {key} must be true or false, got {show_value(v)}")
+    return n
 
 
 def check_model(gf, cfg) -> None:

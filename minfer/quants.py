@@ -2,7 +2,8 @@
 equal to gguf.quants.dequantize (float32 math in the same operation order).
 
     QK_K = 256, Q6K_BLOCK = 210                 k-quant super-block: elements, q6_K bytes
-    SUPPORTED                                   F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K
+    SUPPORTED                                   F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+                                                Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
     dequantize(raw, qtype, shape)               uint8 (rows, row_bytes) or flat -> float32 `shape`
     dequantize_rows(raw, qtype, n_cols)         uint8 (rows, row_bytes) -> float32 (rows, n_cols)
     row_bytes(qtype, n_cols)                    bytes of one row of n_cols elements
@@ -68,6 +69,43 @@ def _deq_bf16(b: np.ndarray) -> np.ndarray:
     return (np.ascontiguousarray(b).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """(n, 16) qs of a 32-element block -> (n, 32) 4-bit values: element j < 16 is
+    the low nibble of qs[j], element 16 + j its high nibble."""
+    return ((qs[:, None, :] >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0x0F).reshape(-1, 32)
+
+
+def _fifth_bits(qh4: np.ndarray) -> np.ndarray:
+    """(n, 4) qh of a Q5_0/Q5_1 block (a little-endian uint32) -> (n, 32) values
+    with bit 4 set from bit j of qh for element j."""
+    qh = np.ascontiguousarray(qh4).view("<u4")                           # (n, 1)
+    return (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+
+
+def _deq_q4_0(b: np.ndarray) -> np.ndarray:
+    # block_q4_0: d (f16) | qs[16];  y = d * (q - 8)
+    q = (_nibbles32(b[:, 2:18]).astype(np.int8) - np.int8(8)).astype(np.float32)
+    return _f16(b[:, :2]) * q
+
+
+def _deq_q4_1(b: np.ndarray) -> np.ndarray:
+    # block_q4_1: d, m (f16) | qs[16];  y = d * q + m, the product rounded before
+    # the sum as in gguf (a fused multiply-add rounds once and differs)
+    return _f16(b[:, :2]) * _nibbles32(b[:, 4:20]).astype(np.float32) + _f16(b[:, 2:4])
+
+
+def _deq_q5_0(b: np.ndarray) -> np.ndarray:
+    # block_q5_0: d (f16) | qh[4] | qs[16];  y = d * ((q | h << 4) - 16)
+    q = ((_nibbles32(b[:, 6:22]) | _fifth_bits(b[:, 2:6])).astype(np.int8) - np.int8(16))
+    return _f16(b[:, :2]) * q.astype(np.float32)
+
+
+def _deq_q5_1(b: np.ndarray) -> np.ndarray:
+    # block_q5_1: d, m (f16) | qh[4] | qs[16];  y = d * (q | h << 4) + m
+    q = (_nibbles32(b[:, 8:24]) | _fifth_bits(b[:, 4:8])).astype(np.float32)
+    return _f16(b[:, :2]) * q + _f16(b[:, 2:4])
+
+
 def _deq_q8_0(b: np.ndarray) -> np.ndarray:
     # block_q8_0: d (f16) | qs int8[32];  y = q * d
     d = _f16(b[:, :2])                                  # (n, 1)
@@ -86,6 +124,46 @@ def _kquant_scales(sc12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
     mins = np.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
     return scale, mins
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """(n, 64) qs of a Q2_K/Q3_K super-block -> (n, 256) 2-bit values: element
+    128h + 32s + l is bits 2s..2s+1 of qs[32h + l]."""
+    qs = qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    return (qs & 0x03).reshape(-1, QK_K)
+
+
+def _deq_q2_k(b: np.ndarray) -> np.ndarray:
+    # block_q2_K: scales[16] | qs[64] | d, dmin (f16); byte j of scales covers
+    # elements 16j..16j+15: low nibble the scale, high nibble the min;
+    # y = (d * sc) * q - (dmin * m)
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])                     # (n, 1)
+    sc = b[:, 0:16]
+    dl = (d * (sc & 0x0F).astype(np.float32))[:, :, None]              # (n, 16, 1)
+    ml = (dmin * (sc >> 4).astype(np.float32))[:, :, None]
+    q = _crumbs(b[:, 16:80]).reshape(-1, 16, 16).astype(np.float32)
+    return (dl * q - ml).reshape(-1, QK_K)
+
+
+def _q3k_scales(sc12: np.ndarray) -> np.ndarray:
+    """(n, 12) packed scales of Q3_K -> (n, 16) int8 in -32..31: scale j has its low
+    4 bits in nibble j // 8 of byte j % 8 and its high 2 bits in bits
+    2 * (j // 4)..+1 of byte 8 + j % 4; minus 32."""
+    lo = (sc12[:, None, 0:8] >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
+    hi = (sc12[:, None, 8:12] >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(-1, 16)
+    return ((lo & 0x0F) | ((hi & 0x03) << 4)).astype(np.int8) - np.int8(32)
+
+
+def _deq_q3_k(b: np.ndarray) -> np.ndarray:
+    # block_q3_K: hmask[32] | qs[64] | scales[12] | d (f16). Element e: 2 low bits
+    # from qs as in Q2_K; bit e // 32 of hmask[e % 32] set means q as is, clear
+    # means q - 4 (so q is in -4..3); scale j = e // 16; y = (d * sc) * q
+    d = _f16(b[:, 108:110])                                            # (n, 1)
+    dl = (d * _q3k_scales(b[:, 96:108]).astype(np.float32))[:, :, None]   # (n, 16, 1)
+    hm = b[:, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # (n, 8, 32)
+    low4 = ((hm & 1) ^ 1) << 2                                         # 4 where the bit is clear
+    q = _crumbs(b[:, 32:96]).astype(np.int8) - low4.reshape(-1, QK_K).astype(np.int8)
+    return (dl * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, QK_K)
 
 
 def _q4k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -167,7 +245,13 @@ FORMATS: dict[QT, _Format] = {f.qtype: f for f in (
     _Format(QT.F32, _deq_f32),
     _Format(QT.F16, _deq_f16),
     _Format(QT.BF16, _deq_bf16),
+    _Format(QT.Q4_0, _deq_q4_0),
+    _Format(QT.Q4_1, _deq_q4_1),
+    _Format(QT.Q5_0, _deq_q5_0),
+    _Format(QT.Q5_1, _deq_q5_1),
     _Format(QT.Q8_0, _deq_q8_0),
+    _Format(QT.Q2_K, _deq_q2_k),
+    _Format(QT.Q3_K, _deq_q3_k),
     _Format(QT.Q4_K, _deq_q4_k),
     _Format(QT.Q5_K, _deq_q5_k),
     _Format(QT.Q6_K, _deq_q6_k),

@@ -3,8 +3,9 @@
 Two vocabulary kinds (`tokenizer.ggml.model`):
 
   gpt2   byte-level BPE. The merges run in the `tokenizers` library; the
-         pre-tokenizer is the regex llama.cpp uses for `tokenizer.ggml.pre`
-         (llama-vocab.cpp, `llm_tokenizer_bpe`).
+         pre-tokenizer is the regex list llama.cpp uses for `tokenizer.ggml.pre`
+         (minfer/pretokenizers.py), which may also set the BOS default and
+         ignore_merges.
   llama  SentencePiece-style BPE over scores, with <0xXX> byte fallback. The
          merges run in `sentencepiece` on a model proto built from the vocabulary.
 
@@ -26,28 +27,15 @@ back an incomplete multibyte sequence until its last byte arrives.
 from __future__ import annotations
 
 import codecs
-import re
+from pathlib import Path
 from typing import Iterable
 
 from gguf import Keys, TokenType
 
 from .errors import MinferError
+from .pretokenizers import PRE_TOKENIZERS, PreTokenizer
 
 K = Keys.Tokenizer
-
-# Pre-tokenizer regexes by `tokenizer.ggml.pre`, transcribed from llama.cpp's
-# llama-vocab.cpp (LLAMA_VOCAB_PRE_TYPE_QWEN2; "deepseek-r1-qwen" maps to the same
-# type there). Each entry is a list: llama.cpp applies them one after another,
-# every regex splitting the pieces the previous one produced (matches and the
-# text between them both kept).
-_QWEN2_REGEX = (
-    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-    r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZER_REGEXES: dict[str, list[str]] = {
-    "qwen2": [_QWEN2_REGEX],
-    "deepseek-r1-qwen": [_QWEN2_REGEX],
-}
 
 # Token texts llama.cpp treats as end-of-turn / end-of-generation / FIM markers
 # (llama_vocab::impl::load, "auto-detect special tokens by text"). Order matters
@@ -118,9 +106,11 @@ class Tokenizer:
                 raise MinferError(f"{path}: duplicate token {t!r} (ids {self.token_to_id[t]} and {i})")
 
         spm = self.model == "llama"
+        self.pre: PreTokenizer | None = None if spm else _pre_tokenizer(meta, path)
         self.add_space_prefix = bool(meta.get(K.ADD_PREFIX, spm))
-        # llama.cpp's defaults when the keys are absent: SPM adds BOS, BPE does not
-        self.add_bos = bool(meta.get(K.ADD_BOS, spm))
+        # llama.cpp's defaults when the key is absent: SPM adds BOS, BPE as its
+        # pre-tokenizer type says (LLAMA3 does, most do not)
+        self.add_bos = bool(meta.get(K.ADD_BOS, spm or self.pre.add_bos))
         self.add_eos = bool(meta.get(K.ADD_EOS, False))
 
         # SPM ids default to llama's <unk>=0, <s>=1, </s>=2 like llama.cpp
@@ -315,6 +305,27 @@ class Tokenizer:
         return StreamDecoder(self, special)
 
 
+def open_tokenizer(path) -> Tokenizer:
+    """The tokenizer of a GGUF file, checked by the tokenizer part of the model
+    contract alone (contract.check_vocabulary): what `minfer tokenize` needs.
+
+    Only the header is read, so this also takes vocabulary-only files (llama.cpp's
+    ggml-vocab-*.gguf: metadata, no tensors, a config this graph may not run) and
+    a header cut where tensor data starts (models/*.header.gguf). A model to run
+    goes through engine.ModelFile.open, which checks the whole contract."""
+    from .contract import check_vocabulary
+    from .gguf import open_gguf
+
+    path = Path(path)
+    if not path.exists():
+        raise MinferError(f"{path}: no such model file")
+    if not path.is_file():
+        raise MinferError(f"{path}: not a regular file")
+    with open_gguf(str(path), header_only=True) as gf:
+        check_vocabulary(gf)
+        return Tokenizer.from_gguf(gf)
+
+
 class StreamDecoder:
     """Incremental detokenizer: push(id) returns only complete UTF-8 text.
 
@@ -340,16 +351,22 @@ class StreamDecoder:
 
 # ---- backends ---------------------------------------------------------------------------------
 
+def _pre_tokenizer(meta: dict, path: str) -> PreTokenizer:
+    """The pre-tokenizer of a gpt2 vocabulary; llama.cpp reads a missing key as
+    'default', a type minfer does not implement, so that is an error too."""
+    pre = meta.get(K.PRE, "default")
+    if pre not in PRE_TOKENIZERS:
+        raise MinferError(f"{path}: unsupported pre-tokenizer {K.PRE} = {pre!r} "
+                          f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+    return PRE_TOKENIZERS[pre]
+
+
 def _build_bpe(tok: Tokenizer, meta: dict, path: str):
     """A `tokenizers` BPE over the GGUF vocabulary and merges, with llama.cpp's
     pre-tokenizer regexes and GPT-2 byte-level mapping. Specials are handled by
     Tokenizer._partition, so this tokenizer has no added tokens."""
     from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers
 
-    pre = meta.get(K.PRE, "default")
-    if pre not in PRE_TOKENIZER_REGEXES:
-        raise MinferError(f"{path}: unsupported pre-tokenizer {K.PRE} = {pre!r} "
-                          f"(supported: {', '.join(sorted(PRE_TOKENIZER_REGEXES))})")
     merges_raw = meta.get(K.MERGES)
     if not merges_raw:
         raise MinferError(f"{path}: gpt2 vocabulary without {K.MERGES}")
@@ -361,12 +378,13 @@ def _build_bpe(tok: Tokenizer, meta: dict, path: str):
             raise MinferError(f"{path}: malformed merge {m!r} in {K.MERGES}")
         merges.append((m[:k], m[k + 1:]))
     try:
-        bpe = models.BPE(vocab=tok.token_to_id, merges=merges, fuse_unk=False, byte_fallback=False)
+        bpe = models.BPE(vocab=tok.token_to_id, merges=merges, fuse_unk=False, byte_fallback=False,
+                         ignore_merges=tok.pre.ignore_merges)
     except Exception as e:  # tokenizers raises on merges naming unknown tokens
         raise MinferError(f"{path}: bad BPE vocabulary/merges: {e}") from None
     hf = HFTokenizer(bpe)
     splits = [pre_tokenizers.Split(Regex(rx), behavior="isolated", invert=False)
-              for rx in PRE_TOKENIZER_REGEXES[pre]]
+              for rx in tok.pre.regexes]
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     return hf

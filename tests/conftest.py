@@ -95,6 +95,39 @@ def real_engine(real_model_path):
     return eng
 
 
+SMOLLM2 = "smollm2-135m-instruct-q4_1"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 (llama architecture, 98 MB), fetched once by
+    `minfer pull smollm2-135m-instruct-q4_1`.
+
+    MINFER_SMOLLM2_PATH names a copy carried to a machine that cannot pull it (the
+    GPU machine: ../shared/tools/carry_model.sh); it must match the manifest's size
+    and sha256, and it is used even where MINFER_SKIP_MODEL_TESTS=1 skips the
+    pulled models."""
+    from minfer.pull import load_manifest, sha256_file
+    carried = os.environ.get("MINFER_SMOLLM2_PATH")
+    if carried:
+        path, m = Path(carried), load_manifest(SMOLLM2)
+        assert path.is_file() and path.stat().st_size == m.size, \
+            f"MINFER_SMOLLM2_PATH={carried}: not a file of {m.size} bytes"
+        assert sha256_file(path) == m.sha256, f"MINFER_SMOLLM2_PATH={carried}: sha256 differs from the manifest"
+        return path
+    if os.environ.get("MINFER_SKIP_MODEL_TESTS") == "1":
+        pytest.skip("real model tests disabled (MINFER_SKIP_MODEL_TESTS=1, no MINFER_SMOLLM2_PATH)")
+    from minfer.pull import ensure_model
+    return Path(ensure_model(SMOLLM2))
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_path):
+    """One CPU engine on SmolLM2-135M per test session (0.1 G weights, ~1 s to load)."""
+    from minfer.engine import Engine
+    return Engine.load(str(smollm2_path), backend="cpu", n_ctx=2048, progress=False)
+
+
 # --- synthetic models -------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

@@ -30,8 +30,10 @@ def small_f16(rng, n: int) -> np.ndarray:
     return v.astype(np.float16).reshape(n, 1).view(np.uint8)
 
 
-# byte offsets of the f16 fields of each block format (ggml block structs)
-F16_FIELDS = {QT.Q8_0: [0], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
+# byte offsets of the f16 fields of each block format (ggml block structs); every
+# other byte (quants, packed scales, high-bit masks) takes every bit pattern
+F16_FIELDS = {QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2], QT.Q8_0: [0],
+              QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
 
 
 def random_rows(rng, qtype, n_rows: int, blocks_per_row: int) -> np.ndarray:
@@ -52,6 +54,11 @@ def random_rows(rng, qtype, n_rows: int, blocks_per_row: int) -> np.ndarray:
 # --------------------------------------------------------------------------- #
 # (1) dequantizers vs gguf on random blocks                                    #
 # --------------------------------------------------------------------------- #
+
+def test_every_supported_block_type_has_its_f16_fields_listed():
+    # random_rows draws finite scales only where F16_FIELDS says the f16 fields are
+    assert {t for t in quants.SUPPORTED if GGML_QUANT_SIZES[t][0] > 1} == set(F16_FIELDS)
+
 
 @pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
 def test_dequantize_random_blocks_bit_exact(qtype):
@@ -96,8 +103,8 @@ def test_bad_input_is_a_minfer_error():
         quants.dequantize_rows(raw, QT.Q4_K, 512)
     with pytest.raises(MinferError, match="bytes do not hold"):
         quants.dequantize(raw, QT.Q4_K, (5, 256))
-    with pytest.raises(MinferError, match="unsupported tensor type Q2_K"):
-        quants.dequantize_rows(raw, QT.Q2_K, 256)
+    with pytest.raises(MinferError, match="unsupported tensor type IQ2_XXS"):
+        quants.dequantize_rows(raw, QT.IQ2_XXS, 256)
     with pytest.raises(MinferError, match="no quantizer for Q5_K"):
         quantize(np.ones((1, 256), np.float32), QT.Q5_K)
     with pytest.raises(MinferError, match="NaN or Inf"):
@@ -140,6 +147,22 @@ def test_dequantize_real_model_bit_exact(real_gguf):
             assert np.array_equal(bits(got), bits(want)), t.name
             checked += 1
     assert checked >= 7
+
+
+@pytest.mark.model
+def test_dequantize_smollm2_bit_exact(smollm2_path):
+    # the llama model's types: Q4_1 layer weights, the Q8_0 embedding (also its LM head)
+    from minfer.gguf import open_gguf
+    with open_gguf(smollm2_path) as gf:
+        names = ["token_embd.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight",
+                 "blk.29.ffn_gate.weight", "blk.29.attn_output.weight"]
+        assert {QT(gf.tensors[n].qtype) for n in names} == {QT.Q8_0, QT.Q4_1}
+        for name in names:
+            t = gf.tensors[name]
+            rows = np.ascontiguousarray(gf.raw(name)[-512:])
+            want = np.asarray(gguf.quants.dequantize(rows, t.qtype), np.float32).reshape(rows.shape[0], -1)
+            got = quants.dequantize_rows(rows, t.qtype, t.shape[-1])
+            assert np.array_equal(bits(got), bits(want)), name
 
 
 # --------------------------------------------------------------------------- #

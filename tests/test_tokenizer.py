@@ -1,37 +1,42 @@
-"""Tokenizer vs llama.cpp's llama-tokenize (tests/fixtures/tokenizer_*.json), plus a tiny
-hand-built SentencePiece vocabulary for the `llama` path."""
+"""Tokenizer vs llama.cpp: llama-tokenize's ids (tests/fixtures/tokenizer_*.json), llama.cpp's
+own tokenizer tests (tests/fixtures/vocab/: vocabulary-only GGUFs with inputs and expected
+ids), plus a tiny hand-built SentencePiece vocabulary for the `llama` path and one BPE
+vocabulary for the pre-tokenizer flags."""
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from gguf import Keys, TokenType
 
 from minfer.errors import MinferError
+from minfer.escapes import process_escapes
 from minfer.gguf import open_gguf
-from minfer.tokenizer import Tokenizer
+from minfer.pretokenizers import PRE_TOKENIZERS
+from minfer.tokenizer import Tokenizer, open_tokenizer
 
 K = Keys.Tokenizer
 # the parametrizations need the fixture files at collection time, before any fixture
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+VOCAB = FIXTURES / "vocab"
 
 QWEN_FIXTURE = json.loads((FIXTURES / "tokenizer_qwen2.5-coder-1.5b.json").read_text(encoding="utf-8"))
 DEEPSEEK_FIXTURE = json.loads((FIXTURES / "tokenizer_deepseek-r1-distill-qwen-7b.json").read_text(encoding="utf-8"))
+SMOLLM2_FIXTURE = json.loads((FIXTURES / "tokenizer_smollm2-135m.json").read_text(encoding="utf-8"))
 
 
 def llama_cpp_unescape(text: str) -> str:
-    """What llama-tokenize does to its prompt before tokenizing (common's
-    string_process_escapes, on by default): the fixture texts were passed through
-    it, so `printf("%d\\n")` in a fixture was tokenized with a real newline."""
-    simple = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
-
-    def sub(m: re.Match) -> str:
-        e = m.group(1)
-        return chr(int(e[1:], 16)) if e[0] == "x" else simple[e]
-
-    return re.sub(r"\\(x[0-9a-fA-F]{2}|[nrt'\"\\])", sub, text)
+    """What llama-tokenize does to its prompt before tokenizing (escape processing,
+    on by default; minfer.escapes, which `minfer tokenize/generate -p` use too): the
+    fixture texts were passed through it, so `printf("%d\\n")` in a fixture was
+    tokenized with a real newline."""
+    return process_escapes(text.encode("utf-8")).decode("utf-8")
 
 
 def _case_id(i: int, e: dict) -> str:
@@ -85,10 +90,177 @@ def test_qwen_greedy_prompts_match_llama_cpp(qwen_tok):
         assert qwen_tok.encode(rec["prompt"]) == rec["prompt_ids"], rec["prompt"][:40]
 
 
+@pytest.fixture(scope="module")
+def smollm2_tok(smollm2_path) -> Tokenizer:
+    return open_tokenizer(smollm2_path)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("case", SMOLLM2_FIXTURE, ids=[_case_id(i, e) for i, e in enumerate(SMOLLM2_FIXTURE)])
+def test_smollm2_matches_llama_cpp(smollm2_tok, case):
+    # llama architecture, byte-level BPE with the `smollm` pre-tokenizer, no BOS
+    text = llama_cpp_unescape(case["text"])
+    assert smollm2_tok.encode(text, parse_special=True) == case["ids_parse_special"]
+    assert smollm2_tok.encode(text, parse_special=False) == case["ids_no_parse_special"]
+    for ids in (case["ids_parse_special"], case["ids_no_parse_special"]):
+        assert smollm2_tok.decode(ids) == text
+
+
+@pytest.mark.model
+def test_smollm2_greedy_prompts_and_flags(smollm2_tok):
+    greedy = json.loads((FIXTURES / "greedy_smollm2-135m.json").read_text(encoding="utf-8"))
+    for rec in greedy:
+        assert smollm2_tok.encode(rec["prompt"]) == rec["prompt_ids"], rec["prompt"][:40]
+    assert smollm2_tok.pre.kind == "SMOLLM" and not smollm2_tok.add_bos
+    # <|im_end|> is the EOS; <|endoftext|> and the FIM repo-name marker end generation too,
+    # as in llama.cpp
+    t = smollm2_tok.token_to_id
+    assert smollm2_tok.eos_id == t["<|im_end|>"]
+    assert {t["<|im_end|>"], t["<|endoftext|>"], t["<reponame>"]} == set(smollm2_tok.eog_ids)
+
+
 def test_fixture_escape_case_is_present():
     # guards llama_cpp_unescape: exactly the texts with a backslash differ, and one does
     changed = [e["text"] for e in QWEN_FIXTURE if llama_cpp_unescape(e["text"]) != e["text"]]
     assert changed and all("\\" in t for t in changed)
+
+
+# ---- llama.cpp's own tokenizer tests (test-tokenizer-0) ----------------------------------------
+
+def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
+    """(text, ids) of llama.cpp's test for ggml-vocab-NAME.gguf: the .inp file holds the
+    texts, each followed by the line __ggml_vocab_test__; the .out file one line of ids
+    per text (no BOS, special-token text not parsed)."""
+    base = VOCAB / f"ggml-vocab-{name}.gguf"
+    raw = base.with_name(base.name + ".inp").read_text(encoding="utf-8")
+    sep = "\n__ggml_vocab_test__\n"
+    assert raw.endswith(sep)
+    texts = raw[:-len(sep)].split(sep)
+    lines = base.with_name(base.name + ".out").read_text(encoding="utf-8").split("\n")
+    assert len(lines) == len(texts) + 1 and lines[-1] == ""
+    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, lines)]
+
+
+VOCAB_TESTS = {name: vocab_cases(name) for name in ("llama-spm", "deepseek-coder", "qwen2")}
+
+
+@functools.cache
+def vocab_tokenizer(name: str) -> Tokenizer:
+    # the vocabulary-only files through the path `minfer tokenize` takes
+    return open_tokenizer(VOCAB / f"ggml-vocab-{name}.gguf")
+
+
+def _vocab_params(name: str):
+    return [pytest.param(name, i, id=f"{name}-{i:02d}") for i in range(len(VOCAB_TESTS[name]))]
+
+
+@pytest.mark.parametrize("name,i", _vocab_params("llama-spm") + _vocab_params("deepseek-coder"))
+def test_llama_cpp_vocab_test(name, i):
+    text, want = VOCAB_TESTS[name][i]
+    assert vocab_tokenizer(name).encode(text, parse_special=False, add_bos=False) == want
+
+
+@pytest.mark.model
+def test_llama_cpp_vocab_test_qwen2(real_model_path):
+    # the qwen2 test ships no vocabulary file: the real 1.5B's is the same
+    tok = open_tokenizer(real_model_path)
+    failed = [t for t, want in VOCAB_TESTS["qwen2"] if tok.encode(t, parse_special=False, add_bos=False) != want]
+    assert not failed, f"{len(failed)} of {len(VOCAB_TESTS['qwen2'])} inputs differ, first {failed[0]!r}"
+
+
+def test_vocab_only_files_have_no_tensors_and_no_runnable_config():
+    # what the tokenizer-only path is for: nothing but metadata, and a config that the
+    # model contract would refuse (deepseek-coder's linear RoPE scaling)
+    for name in ("llama-spm", "deepseek-coder"):
+        with open_gguf(VOCAB / f"ggml-vocab-{name}.gguf") as gf:
+            assert not gf.tensors
+    from minfer.engine import ModelFile
+    with pytest.raises(MinferError, match="rope.scaling.type"):
+        ModelFile.open(VOCAB / "ggml-vocab-deepseek-coder.gguf")
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "deepseek-coder"])
+def test_minfer_tokenize_on_a_vocabulary_only_file(name, tmp_path):
+    # the command end to end on the longest input (every kind of whitespace, emoji, CJK)
+    text, want = max(VOCAB_TESTS[name], key=lambda c: len(c[0]))
+    f = tmp_path / "text.txt"
+    f.write_bytes(text.encode("utf-8"))
+    r = subprocess.run([sys.executable, "-m", "minfer", "tokenize", "-m", str(VOCAB / f"ggml-vocab-{name}.gguf"),
+                        "-f", str(f), "--no-parse-special", "--no-bos"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == want
+
+
+def _write_vocab_only(path: Path, meta: dict) -> Path:
+    """A GGUF holding these tokenizer keys and nothing else (no tensors, no config)."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in meta.items():
+        if isinstance(v, list):
+            w.add_array(k, v)
+        elif isinstance(v, str):
+            w.add_string(k, v)
+        else:
+            w.add_uint32(k, v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_open_tokenizer_checks_the_vocabulary(tmp_path):
+    meta = _tiny_bpe_meta("smollm")
+    tok = open_tokenizer(_write_vocab_only(tmp_path / "ok.gguf", meta))
+    assert tok.encode("abc") == [3, 2] and tok.vocab_size == 7
+    bad = _write_vocab_only(tmp_path / "bad.gguf", {**meta, K.TOKEN_TYPE: meta[K.TOKEN_TYPE][:-1]})
+    with pytest.raises(MinferError, match="token_type has 6 entries for 7 tokens"):
+        open_tokenizer(bad)
+    with pytest.raises(MinferError, match="no such model file"):
+        open_tokenizer(tmp_path / "missing.gguf")
+
+
+# ---- pre-tokenizers ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(PRE_TOKENIZERS))
+def test_every_pre_tokenizer_compiles_and_splits_losslessly(name):
+    from tokenizers import Regex, pre_tokenizers
+    text = "Hello, y'all! 3333 ¿Cómo estás?\n\n  tabs\t\there 你好世界 안녕 😀 ½ x=1+2 WORLD's"
+    for rx in PRE_TOKENIZERS[name].regexes:
+        split = pre_tokenizers.Split(Regex(rx), behavior="isolated")
+        pieces = [p for p, _ in split.pre_tokenize_str(text)]
+        assert "".join(pieces) == text, (name, rx)
+
+
+def test_llama3_pre_tokenizer_definition():
+    # untested against a real Llama 3 vocabulary (none is available here): these are
+    # the definition's own consequences, not llama.cpp's ids
+    from tokenizers import Regex, pre_tokenizers
+    pre = PRE_TOKENIZERS["llama-bpe"]
+    assert pre.ignore_merges and pre.add_bos and pre.kind == "LLAMA3"
+    split = pre_tokenizers.Split(Regex(pre.regexes[0]), behavior="isolated")
+    words = [p for p, _ in split.pre_tokenize_str("I'LL pay 1234567 in\n\n  cash!!\n")]
+    assert words == ["I", "'LL", " pay", " ", "123", "456", "7", " in", "\n\n", " ", " cash", "!!\n"]
+
+
+def _tiny_bpe_meta(pre: str) -> dict:
+    """Byte-level BPE on a, b, c with merges 'a b' before 'b c', and 'abc' a token that
+    those merges never build: what ignore_merges changes."""
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "<s>"]
+    types = [TokenType.NORMAL] * 6 + [TokenType.CONTROL]
+    return {K.MODEL: "gpt2", K.PRE: pre, K.LIST: tokens, K.TOKEN_TYPE: [int(t) for t in types],
+            K.MERGES: ["a b", "b c"], K.BOS_ID: 6}
+
+
+def test_ignore_merges_and_bos_default_follow_the_pre_tokenizer():
+    llama3 = Tokenizer.from_metadata(_tiny_bpe_meta("llama-bpe"))
+    smaug = Tokenizer.from_metadata(_tiny_bpe_meta("smaug-bpe"))       # same regex, no flags
+    assert llama3.encode("abc") == [6, 5]           # BOS by default; the whole word is a token
+    assert smaug.encode("abc") == [3, 2]            # no BOS; merges: ab + c
+    assert llama3.encode("abc", add_bos=False) == [5]
+    meta = {**_tiny_bpe_meta("llama-bpe"), K.ADD_BOS: False}      # the key wins over the default
+    assert Tokenizer.from_metadata(meta).encode("abc") == [5]
 
 
 # ---- BOS, special ids, metadata -------------------------------------------------------------
