@@ -153,14 +153,15 @@ def cmd_generate(args) -> int:
 
 # --- tokenize -----------------------------------------------------------------
 def cmd_tokenize(args) -> int:
-    from .engine import ModelFile
+    from .tokenizer import open_tokenizer
 
     if (args.prompt is None) == (args.file is None):
         raise MinferError("give exactly one of -p TEXT or -f FILE")
     text = _prompt_text(args)
-    mf = ModelFile.open(_model_path(args))
-    ids = mf.tokenizer.encode(text, parse_special=not args.no_parse_special,
-                              add_bos=False if args.no_bos else None)
+    # the tokenizer part of the file only: vocabulary-only GGUFs tokenize too
+    tok = open_tokenizer(_model_path(args))
+    ids = tok.encode(text, parse_special=not args.no_parse_special,
+                     add_bos=False if args.no_bos else None)
     out = json.dumps([int(i) for i in ids]) + "\n"
     if args.show_count:             # llama-tokenize's line, after the ids
         out += f"Total number of tokens: {len(ids)}\n"
