@@ -104,7 +104,7 @@ def smollm2_path() -> Path:
     `minfer pull smollm2-135m-instruct-q4_1`.
 
     MINFER_SMOLLM2_PATH names a copy carried to a machine that cannot pull it (the
-    GPU machine: ../shared/tools/carry_model.sh); it must match the manifest's size
+    GPU machine, where the file arrives in pieces); it must match the manifest's size
     and sha256, and it is used even where MINFER_SKIP_MODEL_TESTS=1 skips the
     pulled models."""
     from minfer.pull import load_manifest, sha256_file
