@@ -92,12 +92,16 @@ MATVEC = (("attn_k", QT.Q4_K, 512, 3584), ("attn_v", QT.Q6_K, 512, 3584),
           ("output", QT.Q6_K, 152064, 3584))
 
 
-def bench_matvec(cp) -> None:
+def copy_gbs(cp) -> float:
+    """GB/s (read + write) of a 1 GiB device-to-device copy."""
     src = cp.empty(1 << 30, cp.uint8)
     dst = cp.empty_like(src)
-    copy_gbs = 2 * src.nbytes / time_ms(cp, lambda: dst.__setitem__(Ellipsis, src)) / 1e6
-    del src, dst
-    print(f"device-to-device copy: {copy_gbs:,.0f} GB/s (read + write)")
+    return 2 * src.nbytes / time_ms(cp, lambda: dst.__setitem__(Ellipsis, src)) / 1e6
+
+
+def bench_matvec(cp) -> None:
+    copy = copy_gbs(cp)
+    print(f"device-to-device copy: {copy:,.0f} GB/s (read + write)")
     print(f"{'matvec':<22}{'shape':>16}{'us':>9}{'GB/s':>8}{'of copy':>9}")
     for name, qt, n_out, n_in in MATVEC:
         raw = random_weight(cp, qt, n_out, n_in).reshape(n_out, -1)
@@ -105,7 +109,7 @@ def bench_matvec(cp) -> None:
         y = cp.empty((1, n_out), cp.float32)
         ms = graph_ms(cp, lambda: matvec(qt, *xq8, raw, n_out, None, y))
         gbs = raw.nbytes / ms / 1e6
-        print(f"{name:<22}{f'{n_in}->{n_out}':>16}{ms * 1e3:9.1f}{gbs:8.0f}{gbs / copy_gbs:9.0%}")
+        print(f"{name:<22}{f'{n_in}->{n_out}':>16}{ms * 1e3:9.1f}{gbs:8.0f}{gbs / copy:9.0%}")
 
 
 def main() -> int:

@@ -40,7 +40,7 @@ def main() -> int:
     cases = json.loads(FIXTURE.read_text(encoding="utf-8"))
     eng = Engine.load(a.model, backend=a.backend, n_ctx=2048, progress=False)
     tok = eng.tokenizer
-    print(f"| prompt | chars agreeing / llama.cpp's | first 16 tokens | decode tok/s |")
+    print("| prompt | chars agreeing / llama.cpp's | first 16 tokens | decode tok/s |")
     print("| --- | ---: | --- | ---: |")
     for c in cases:
         ids = [int(i) for i in c["prompt_ids"]]

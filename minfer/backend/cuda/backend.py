@@ -11,6 +11,7 @@ except `to_numpy`.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -35,11 +36,22 @@ class CudaCache:
 
     def __init__(self, cfg: ModelConfig, n_ctx: int):
         self.n_ctx = n_ctx
-        shape = (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim)
-        dtype = cp.float16 if cfg.head_dim == attention.FA_HD else cp.float32
+        shape, dtype = self.layout(cfg, n_ctx)
         self.k = cp.zeros(shape, dtype=dtype)   # (n_layer, n_ctx, n_kv, hd)
         self.v = cp.zeros(shape, dtype=dtype)   # (n_layer, n_ctx, n_kv, hd)
         self.graphs: dict = {}                  # key -> graphs.Graph, or SEEN after a first eager run
+
+    @staticmethod
+    def layout(cfg: ModelConfig, n_ctx: int) -> tuple[tuple[int, ...], object]:
+        """-> (shape, dtype) of k and of v: f16 where the flash attention reads them."""
+        dtype = cp.float16 if cfg.head_dim == attention.FA_HD else cp.float32
+        return (cfg.n_layer, n_ctx, cfg.n_head_kv, cfg.head_dim), dtype
+
+    @classmethod
+    def nbytes_for(cls, cfg: ModelConfig, n_ctx: int) -> int:
+        """Device bytes a cache of n_ctx positions takes (k and v)."""
+        shape, dtype = cls.layout(cfg, n_ctx)
+        return 2 * math.prod(shape) * np.dtype(dtype).itemsize
 
 
 class CudaTimer(Timer):
@@ -129,11 +141,8 @@ class CUDABackend(Backend):
         if max_tokens < 1:
             raise MinferError(f"context size must be positive, got {max_tokens}")
         what = f"allocating the KV cache for {max_tokens} tokens"
-        cfg = self.cfg
-        itemsize = 2 if cfg.head_dim == attention.FA_HD else 4
-        need = 2 * cfg.n_layer * max_tokens * cfg.n_head_kv * cfg.head_dim * itemsize
-        if need > cp.cuda.runtime.memGetInfo()[0]:       # before the host builds its RoPE table
-            raise self._oom_error(what)
+        if CudaCache.nbytes_for(self.cfg, max_tokens) > cp.cuda.runtime.memGetInfo()[0]:
+            raise self._oom_error(what)                  # before the host builds its RoPE table
         with self.guard(what):
             cache = CudaCache(self.cfg, max_tokens)
             if self._cos_sin is None or self._cos_sin.shape[0] < max_tokens:

@@ -144,14 +144,15 @@ class Gemms:
         """Weights that read the same x (q/k/v, gate/up) -> [f32 (T, n_out) each]. On
         the f16 engine x is rounded to f16 once for all of them."""
         T = x.shape[0]
-        engines = {self.path(T, w).engine for w in ws}
+        paths = [self.path(T, w) for w in ws]
+        engines = {p.engine for p in paths}
         if engines == {"f16"} and all(w.n_in == x.shape[1] for w in ws):
             return self._f16_linears(x, ws, biases, (None,) * len(ws))
         if engines == {"matvec"} and all(w.n_in == x.shape[1] for w in ws):
             xq, xd, xs = int8.quantize_q8_1(x, *self._q8_scratch(1, x.shape[1]))   # once for all
             ys = []
-            for w, b in zip(ws, biases):
-                self.counters.count(self.path(1, w))
+            for w, b, p in zip(ws, biases, paths):
+                self.counters.count(p)
                 ys.append(int8.matvec(w.qtype, xq, xd, xs, w.data, w.n_out, b))
             return ys
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
