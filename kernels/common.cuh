@@ -76,3 +76,39 @@ __device__ __forceinline__ void mma_s8_16816(int c[4], const u32 a[2], u32 b) {
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(b));
 }
+
+// ---- warp reductions and the q8_1 activation block ---------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// One q8_1 block of 32 activations, lane i holding value v (ggml-cuda quantize_q8_1,
+// except that the sum is s = d * sum(q) of the quantized values):
+//   d = amax/127, q = roundf(v/d) (half away from zero; 0 when amax == 0)
+// -> q[lane] = q, and lane 0 writes *d, *s. Every q8_1 producer (quantize.cu, the
+// fused rmsnorm and SwiGLU) goes through this, so they agree bit for bit.
+__device__ __forceinline__ void q8_1_block(float v, int lane, i8* __restrict__ q,
+                                           float* __restrict__ d, float* __restrict__ s) {
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float db = amax / 127.0f;
+    const int qi = amax == 0.0f ? 0 : (int)roundf(v / db);
+    int sum = qi;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    q[lane] = (i8)qi;
+    if (lane == 0) {
+        *d = db;
+        *s = db * (float)sum;
+    }
+}
+
+// ---- RoPE ----------------------------------------------------------------------
+// the pair (a, b) rotated by the angle with cosine c and sine s (rope.cu, and the
+// fused RoPE + KV-cache store of decode_attn.cu). Every product and sum rounded
+// on its own (the _rn intrinsics are never contracted into an FMA): the same bits
+// in every kernel that inlines it, and the CPU reference's (NumPy's f32) bits.
+__device__ __forceinline__ void rope_rotate(float a, float b, float c, float s, float* ya, float* yb) {
+    *ya = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    *yb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}

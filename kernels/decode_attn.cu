@@ -18,11 +18,14 @@
 #define DEC_PART (FA_HD + 2)        // floats per partial: max, sum, accumulator
 #define DEC_NEG_INF (-__int_as_float(0x7f800000))
 
+__device__ __forceinline__ u32 f16_bits_rn(float f) {          // round to nearest even
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
 __device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
-    unsigned short l, h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(l) : "f"(lo));
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(hi));
-    return (u32)l | ((u32)h << 16);
+    return f16_bits_rn(lo) | (f16_bits_rn(hi) << 16);
 }
 
 __device__ __forceinline__ float f16_lo(u32 w) { return f16_to_f32((u16)(w & 0xFFFF)); }
@@ -40,6 +43,40 @@ store_kv_f16(const float4* __restrict__ k, const float4* __restrict__ v, uint2* 
         kc[off + i] = make_uint2(f32x2_to_f16x2(a.x, a.y), f32x2_to_f16x2(a.z, a.w));
         vc[off + i] = make_uint2(f32x2_to_f16x2(b.x, b.y), f32x2_to_f16x2(b.z, b.w));
     }
+}
+
+// RoPE and the KV store in one launch (rope.cu's rotation, store_kv_f16's rounding):
+// q (T, n_head, hd) -> qo rotated; k (T, n_kv, hd) rotated and v -> rows p..p+T-1 of
+// one layer's f16 caches kc, vc (n_ctx, n_kv, hd). cos_sin (n_pos, hd/2, 2) as in
+// rope.cu; NeoX halves or adjacent pairs. One thread per pair of one head of q or k
+// (the k threads also store v's two elements): T * (n_head + n_kv) * hd/2 threads.
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
+rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, const float* __restrict__ k,
+                  const float* __restrict__ v, u16* __restrict__ kc, u16* __restrict__ vc,
+                  const float* __restrict__ cos_sin, int T, int n_head, int n_kv, int hd,
+                  int pos0, const int* __restrict__ pos_dev, int neox) {
+    const int half = hd / 2, heads = n_head + n_kv;
+    const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= (long long)T * heads * half) return;
+    const int i = (int)(g % half), hh = (int)(g / half % heads), t = (int)(g / half / heads);
+    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    const int p = (pos_dev ? *pos_dev : pos0) + t;
+    const float* cs = cos_sin + ((size_t)p * half + i) * 2;
+    float ya, yb;
+    if (hh < n_head) {
+        const size_t base = ((size_t)t * n_head + hh) * hd;
+        rope_rotate(q[base + ia], q[base + ib], cs[0], cs[1], &ya, &yb);
+        qo[base + ia] = ya;
+        qo[base + ib] = yb;
+        return;
+    }
+    const int kvh = hh - n_head;
+    const size_t src = ((size_t)t * n_kv + kvh) * hd, dst = ((size_t)p * n_kv + kvh) * hd;
+    rope_rotate(k[src + ia], k[src + ib], cs[0], cs[1], &ya, &yb);
+    kc[dst + ia] = (u16)f16_bits_rn(ya);
+    kc[dst + ib] = (u16)f16_bits_rn(yb);
+    vc[dst + ia] = (u16)f16_bits_rn(v[src + ia]);
+    vc[dst + ib] = (u16)f16_bits_rn(v[src + ib]);
 }
 
 // q (n_head, 128) f32; kc, vc (n_ctx, n_kv, 128) f16 of one layer, keys 0..p stored;

@@ -5,19 +5,28 @@
 // With x in f32 every weight element cost a nibble extraction, a conversion and
 // an FMA, and the kernels were bound by those instructions at about a third of
 // the memory bandwidth.
-//   y (od,) = W (od, K) @ x (K,) [+ bias]
-// A warp owns MV_RPW consecutive output rows, MV_WARPS warps per block. Each lane
-// owns one 16-byte slice of a super-block's quants (8 lanes per super-block, 4
-// super-blocks per warp step) in all of its rows: it loads its 32 bytes of x once
-// and applies them to the MV_RPW rows' quants (uint4 loads, coalesced). Rows past
-// od are clamped to the last row (computed, never written), so the loop body has
-// no branch between its loads. The lanes' partial sums meet in a warp reduction.
-#include "common.cuh"
+//
+// One row-dot routine per format (dot_q4k, dot_q6k, dot_q32) takes R weight rows
+// and adds each lane's share of row . x to acc[R]; the lanes' partial sums meet in
+// a warp reduction. One kernel, templated on the ggml type id (Q4_K 12, q6_K 14
+// padded, and the 32-element group types of q32_decode.cuh):
+//   matvec  y_s (od_s,) = W_s (od_s, K) @ x [+ bias_s] [+ res_s] for up to three
+//           weights that read the same x (q/k/v, gate/up in one launch), MV_RPW rows
+//           per warp, MV_WARPS warps per block, the blocks of the weights one after
+//           the other in the grid; res is the residual stream (y may alias it)
+// Weights are read through the non-coherent cache (__ldg): the weight pointer is
+// picked per block, so __restrict__ alone no longer tells the compiler.
+// MV_MIN_BLOCKS resident blocks per SM cap the registers at 80: the q6_K kernel
+// otherwise takes 84, which the allocation granule rounds to 88, and only five
+// blocks fit; the sixth block's warps took the 7B's q6_K ffn_down from 51 to 27 us
+// (docs/PERF.md 6.10).
+// Rows past od are clamped to the last row (computed, never written), so the loop
+// bodies have no branch between their loads. A row's arithmetic does not depend
+// on the launch it is in, so one weight per launch or three give the same bits.
+#include "q32_decode.cuh"
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+#define QT_Q4K 12
+#define QT_Q6K 14
 
 // byte k (0..3) of a 32-bit word
 __device__ __forceinline__ int byte_of(u32 w, int k) { return (w >> (8 * k)) & 0xFF; }
@@ -52,41 +61,40 @@ __device__ __forceinline__ void q4k_scales2(int j, u32 s0, u32 s1, u32 s2, int s
     }
 }
 
-// q4_K rows as stored (144-byte blocks): W (od, K/256*144); x as q8_1 xq (K,) int8,
-// xd, xs (K/32,); y (od,). Lane slice c (0..7) = qs[16c .. 16c+15]: chunk i = c/2 of
-// 32 bytes holds elements l0..l0+15 (l0 = 16*(c%2)) of sub-block 2i (low nibbles)
-// and of sub-block 2i+1 (high nibbles). Per sub-block j:
-//   y += d*sc_j * d_a * sum(q*xq) - dmin*m_j * s_a
+// device bytes of one weight row of K elements
+template <int QT>
+__device__ __forceinline__ size_t row_bytes(int K) {
+    if constexpr (QT == QT_Q4K) return (size_t)(K / QK_K) * Q4K_BYTES;
+    else if constexpr (QT == QT_Q6K) return (size_t)(K / QK_K) * Q6K_PADDED;
+    else return (size_t)(K / 32 / Fmt<QT>::G) * Fmt<QT>::BYTES;
+}
+
+// q4_K rows as stored (144-byte blocks). Lane slice c (0..7) = qs[16c .. 16c+15]:
+// chunk i = c/2 of 32 bytes holds elements l0..l0+15 (l0 = 16*(c%2)) of sub-block
+// 2i (low nibbles) and of sub-block 2i+1 (high nibbles). Per sub-block j:
+//   acc += d*sc_j * d_a * sum(q*xq) - dmin*m_j * s_a
 // the min term once per sub-block (by the l0 == 0 lane). The block's first 16 bytes
 // (d, dmin, scales) come in as one uint4.
-extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)
-matvec_q4k(const u8* __restrict__ W, const i8* __restrict__ xq, const float* __restrict__ xd,
-           const float* __restrict__ xs, const float* __restrict__ bias, float* __restrict__ y,
-           int od, int K) {
-    const int row0 = (blockIdx.x * MV_WARPS + threadIdx.x / 32) * MV_RPW, lane = threadIdx.x % 32;
-    if (row0 >= od) return;
+template <int R>
+__device__ __forceinline__ void dot_q4k(const u8* const (&rows)[R], const i8* __restrict__ xq,
+                                        const float* __restrict__ xd, const float* __restrict__ xs,
+                                        int K, int lane, float (&acc)[R]) {
     const int nb = K / QK_K;
     const int c = lane % 8, i = c / 2, l0 = (c % 2) * 16;
     const float first = l0 == 0 ? 1.0f : 0.0f;          // this lane adds the min terms
-    const u8* rows[MV_RPW];
-#pragma unroll
-    for (int r = 0; r < MV_RPW; ++r) rows[r] = W + (size_t)min(row0 + r, od - 1) * nb * Q4K_BYTES;
-    float acc[MV_RPW];
-#pragma unroll
-    for (int r = 0; r < MV_RPW; ++r) acc[r] = 0.0f;
     for (int b = lane / 8; b < nb; b += 4) {
-        uint4 hd[MV_RPW], q[MV_RPW];
+        uint4 hd[R], q[R];
 #pragma unroll
-        for (int r = 0; r < MV_RPW; ++r) {
+        for (int r = 0; r < R; ++r) {
             const u8* blk = rows[r] + (size_t)b * Q4K_BYTES;
-            hd[r] = *(const uint4*)blk;
-            q[r] = *(const uint4*)(blk + Q4K_QS + 16 * c);
+            hd[r] = __ldg((const uint4*)blk);
+            q[r] = __ldg((const uint4*)(blk + Q4K_QS + 16 * c));
         }
         const int e0 = b * QK_K + 64 * i + l0, g0 = b * (QK_K / QK8_1) + 2 * i;
         const uint4 xa = *(const uint4*)(xq + e0), xb = *(const uint4*)(xq + e0 + 32);
         const float da0 = xd[g0], da1 = xd[g0 + 1], sa0 = first * xs[g0], sa1 = first * xs[g0 + 1];
 #pragma unroll
-        for (int r = 0; r < MV_RPW; ++r) {
+        for (int r = 0; r < R; ++r) {
             const u32 lo[4] = {q[r].x & 0x0F0F0F0Fu, q[r].y & 0x0F0F0F0Fu,
                                q[r].z & 0x0F0F0F0Fu, q[r].w & 0x0F0F0F0Fu};
             const u32 hi[4] = {(q[r].x >> 4) & 0x0F0F0F0Fu, (q[r].y >> 4) & 0x0F0F0F0Fu,
@@ -98,45 +106,32 @@ matvec_q4k(const u8* __restrict__ W, const i8* __restrict__ xq, const float* __r
             acc[r] += d * (float)sc[1] * da1 * (float)dot16_s8(hi, xb) - dmin * (float)m[1] * sa1;
         }
     }
-#pragma unroll
-    for (int r = 0; r < MV_RPW; ++r) {
-        const float v = warp_sum(acc[r]);
-        if (lane == 0 && row0 + r < od) y[row0 + r] = bias ? v + bias[row0 + r] : v;
-    }
 }
 
-// q6_K rows padded (224-byte stride): W (od, K/256*224); x as q8_1; y (od,).
-// Lane slice c (0..7) = ql[16c .. 16c+15]: half h = c/4, m = (c/2)%2, l0 = 16*(c%2);
-// the low nibbles are quarter q=m, the high ones q=m+2 (elements 128h + 32q + l0 + e),
-// with the 2-bit field 2q of qh[32h + l0 + e] on top: u = ql_nibble | qh_bits << 4 in
-// 0..63 (a non-negative int8), and the weight is u - 32, so per 16-element sub-block
-//   y += d*sc * d_a * (sum(u*xq) - 32*sum(xq))
+// q6_K rows padded (224-byte stride). Lane slice c (0..7) = ql[16c .. 16c+15]: half
+// h = c/4, m = (c/2)%2, l0 = 16*(c%2); the low nibbles are quarter q=m, the high
+// ones q=m+2 (elements 128h + 32q + l0 + e), with the 2-bit field 2q of
+// qh[32h + l0 + e] on top: u = ql_nibble | qh_bits << 4 in 0..63 (a non-negative
+// int8), and the weight is u - 32, so per 16-element sub-block
+//   acc += d*sc * d_a * (sum(u*xq) - 32*sum(xq))
 // with sum(xq) formed once per slice for all rows. ql, qh and the 16 scales come in
-// as uint4s, d as one 16-bit load.
-extern "C" __global__ void __launch_bounds__(MV_WARPS * 32)
-matvec_q6k(const u8* __restrict__ W, const i8* __restrict__ xq, const float* __restrict__ xd,
-           const float* __restrict__ bias, float* __restrict__ y, int od, int K) {
-    const int row0 = (blockIdx.x * MV_WARPS + threadIdx.x / 32) * MV_RPW, lane = threadIdx.x % 32;
-    if (row0 >= od) return;
+// as uint4s, d as one 16-bit load. (The sums xs are not needed.)
+template <int R>
+__device__ __forceinline__ void dot_q6k(const u8* const (&rows)[R], const i8* __restrict__ xq,
+                                        const float* __restrict__ xd, int K, int lane, float (&acc)[R]) {
     const int nb = K / QK_K;
     const int c = lane % 8, h = c / 4, m = (c / 2) % 2, l0 = (c % 2) * 16;
-    const u8* rows[MV_RPW];
-#pragma unroll
-    for (int r = 0; r < MV_RPW; ++r) rows[r] = W + (size_t)min(row0 + r, od - 1) * nb * Q6K_PADDED;
-    float acc[MV_RPW];
-#pragma unroll
-    for (int r = 0; r < MV_RPW; ++r) acc[r] = 0.0f;
     const u32 ones[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
     for (int b = lane / 8; b < nb; b += 4) {
-        uint4 ql[MV_RPW], qh[MV_RPW], sc[MV_RPW];
-        u16 dh[MV_RPW];
+        uint4 ql[R], qh[R], sc[R];
+        u16 dh[R];
 #pragma unroll
-        for (int r = 0; r < MV_RPW; ++r) {
+        for (int r = 0; r < R; ++r) {
             const u8* blk = rows[r] + (size_t)b * Q6K_PADDED;
-            ql[r] = *(const uint4*)(blk + 16 * c);
-            qh[r] = *(const uint4*)(blk + Q6K_QH + 32 * h + l0);
-            sc[r] = *(const uint4*)(blk + Q6K_SC);
-            dh[r] = *(const u16*)(blk + Q6K_D);
+            ql[r] = __ldg((const uint4*)(blk + 16 * c));
+            qh[r] = __ldg((const uint4*)(blk + Q6K_QH + 32 * h + l0));
+            sc[r] = __ldg((const uint4*)(blk + Q6K_SC));
+            dh[r] = __ldg((const u16*)(blk + Q6K_D));
         }
         uint4 xv[2];
         float da[2], off[2];
@@ -148,7 +143,7 @@ matvec_q6k(const u8* __restrict__ W, const i8* __restrict__ xq, const float* __r
             off[k] = 32.0f * (float)dot16_s8(ones, xv[k]);    // 32 * sum(xq)
         }
 #pragma unroll
-        for (int r = 0; r < MV_RPW; ++r) {
+        for (int r = 0; r < R; ++r) {
             const u32 wl[4] = {ql[r].x, ql[r].y, ql[r].z, ql[r].w};
             const u32 wh[4] = {qh[r].x, qh[r].y, qh[r].z, qh[r].w};
             const float d = f16_to_f32(dh[r]);
@@ -165,9 +160,76 @@ matvec_q6k(const u8* __restrict__ W, const i8* __restrict__ xq, const float* __r
             }
         }
     }
+}
+
+// the 32-element group types: lane l takes groups l, l+32, ... of its rows
+template <int QT, int R>
+__device__ __forceinline__ void dot_q32(const u8* const (&rows)[R], const i8* __restrict__ xq,
+                                        const float* __restrict__ xd, const float* __restrict__ xs,
+                                        int K, int lane, float (&acc)[R]) {
+    const int ng = K / 32;
+    const u32 ones[8] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u,
+                         0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
+    for (int gi = lane; gi < ng; gi += 32) {
+        const uint4 x0 = *(const uint4*)(xq + 32 * gi), x1 = *(const uint4*)(xq + 32 * gi + 16);
+        const float da = xd[gi], sa = xs[gi];
+        const int sx = dot32(ones, x0, x1);                    // sum(xq)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const Group g = decode<QT>(rows[r], gi);
+            acc[r] += g.a * da * (float)(dot32(g.u, x0, x1) - g.z * sx) + g.b * sa;
+        }
+    }
+}
+
+template <int QT, int R>
+__device__ __forceinline__ void dot_rows(const u8* const (&rows)[R], const i8* __restrict__ xq,
+                                         const float* __restrict__ xd, const float* __restrict__ xs,
+                                         int K, int lane, float (&acc)[R]) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    if constexpr (QT == QT_Q4K) dot_q4k<R>(rows, xq, xd, xs, K, lane, acc);
+    else if constexpr (QT == QT_Q6K) dot_q6k<R>(rows, xq, xd, K, lane, acc);
+    else dot_q32<QT, R>(rows, xq, xd, xs, K, lane, acc);
+}
+
+// q8_1 x (K,) -> y_s = W_s @ x [+ bias_s] [+ res_s] for s = 0..2 (od_s = 0: unused);
+// grid = the blocks of the three weights, MV_WARPS*MV_RPW rows each, in order
+template <int QT>
+__global__ void __launch_bounds__(MV_WARPS * 32, MV_MIN_BLOCKS)
+matvec(const i8* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs, int K,
+       const u8* __restrict__ W0, const float* __restrict__ bias0, const float* res0, float* y0, int od0,
+       const u8* __restrict__ W1, const float* __restrict__ bias1, const float* res1, float* y1, int od1,
+       const u8* __restrict__ W2, const float* __restrict__ bias2, const float* res2, float* y2, int od2) {
+    constexpr int PER_BLOCK = MV_WARPS * MV_RPW;
+    const int nb0 = (od0 + PER_BLOCK - 1) / PER_BLOCK, nb1 = (od1 + PER_BLOCK - 1) / PER_BLOCK;
+    int blk = blockIdx.x;
+    const u8* W = W0; const float* bias = bias0; const float* res = res0; float* y = y0; int od = od0;
+    if (blk >= nb0 + nb1) { blk -= nb0 + nb1; W = W2; bias = bias2; res = res2; y = y2; od = od2; }
+    else if (blk >= nb0) { blk -= nb0; W = W1; bias = bias1; res = res1; y = y1; od = od1; }
+    const int row0 = (blk * MV_WARPS + threadIdx.x / 32) * MV_RPW, lane = threadIdx.x % 32;
+    if (row0 >= od) return;
+    const u8* rows[MV_RPW];
+#pragma unroll
+    for (int r = 0; r < MV_RPW; ++r) rows[r] = W + (size_t)min(row0 + r, od - 1) * row_bytes<QT>(K);
+    float acc[MV_RPW];
+    dot_rows<QT, MV_RPW>(rows, xq, xd, xs, K, lane, acc);
 #pragma unroll
     for (int r = 0; r < MV_RPW; ++r) {
         const float v = warp_sum(acc[r]);
-        if (lane == 0 && row0 + r < od) y[row0 + r] = bias ? v + bias[row0 + r] : v;
+        if (lane == 0 && row0 + r < od) {
+            float o = bias ? v + bias[row0 + r] : v;
+            if (res) o = res[row0 + r] + o;
+            y[row0 + r] = o;
+        }
     }
 }
+
+#ifdef MINFER_SASS_INSTANTIATE
+#define MINFER_MV(QT)                                                                           \
+    template __global__ void matvec<QT>(const i8*, const float*, const float*, int,             \
+        const u8*, const float*, const float*, float*, int,                                     \
+        const u8*, const float*, const float*, float*, int,                                     \
+        const u8*, const float*, const float*, float*, int);
+MINFER_MV(12) MINFER_MV(14) MINFER_MV(2) MINFER_MV(3) MINFER_MV(6) MINFER_MV(7) MINFER_MV(8) MINFER_MV(13)
+#endif

@@ -1,23 +1,13 @@
 // RMSNorm, f32 (mirrors ggml_compute_forward_rms_norm + the weight multiply):
 //   y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w
 // One block per row; the sum of squares is reduced in f32 (warp shuffles, then
-// one value per warp through shared memory).
+// one value per warp through shared memory). rmsnorm_q8_1 writes the same values
+// as q8_1 blocks (the operand of the decode matvecs) instead of f32.
 
 #include "common.cuh"
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-// x (rows, d), w (d,) -> y (rows, d); grid = rows, block = NORM_THREADS
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
-            float* __restrict__ y, int d, float eps) {
-    const size_t row = blockIdx.x;
-    const float* xr = x + row * (size_t)d;
-    float* yr = y + row * (size_t)d;
-
+// 1 / sqrt(mean(xr^2) + eps) of one row, every thread of the block gets it
+__device__ __forceinline__ float row_scale(const float* __restrict__ xr, int d, float eps) {
     float ss = 0.0f;
     for (int i = threadIdx.x; i < d; i += NORM_THREADS) ss += xr[i] * xr[i];
     ss = warp_sum(ss);
@@ -33,6 +23,32 @@ rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
     }
     __syncthreads();
     // 1/sqrt, not rsqrtf: rsqrtf's ~2 ulp would add a needless difference to the CPU reference
-    const float scale = 1.0f / sqrtf(part[0] / (float)d + eps);
+    return 1.0f / sqrtf(part[0] / (float)d + eps);
+}
+
+// x (rows, d), w (d,) -> y (rows, d); grid = rows, block = NORM_THREADS
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
+            float* __restrict__ y, int d, float eps) {
+    const size_t row = blockIdx.x;
+    const float* xr = x + row * (size_t)d;
+    float* yr = y + row * (size_t)d;
+    const float scale = row_scale(xr, d, eps);
     for (int i = threadIdx.x; i < d; i += NORM_THREADS) yr[i] = xr[i] * scale * w[i];
+}
+
+// x (rows, d), w (d,) -> the normed rows as q8_1: q (rows, d) int8, qd, qs (rows, d/32);
+// d a multiple of 32; grid = rows, block = NORM_THREADS (a warp per block of 32)
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_q8_1(const float* __restrict__ x, const float* __restrict__ w, i8* __restrict__ q,
+             float* __restrict__ qd, float* __restrict__ qs, int d, float eps) {
+    const size_t row = blockIdx.x;
+    const float* xr = x + row * (size_t)d;
+    const float scale = row_scale(xr, d, eps);
+    const int lane = threadIdx.x & 31, nb = d / QK8_1;
+    for (int b = threadIdx.x / 32; b < nb; b += NORM_THREADS / 32) {
+        const int i = b * QK8_1 + lane;
+        const size_t g = row * nb + b;
+        q8_1_block(xr[i] * scale * w[i], lane, q + g * QK8_1, qd + g, qs + g);
+    }
 }

@@ -1,28 +1,31 @@
-// Activations f32 -> q8_1-style blocks of 32 for the int8 MMQ GEMMs (mmq.cu).
+// Activations f32 -> q8_1-style blocks of 32 for the int8 GEMMs and matvecs
+// (and the SwiGLU of a decode step's gate and up rows, straight to q8_1).
 // Mirrors ggml-cuda quantize_q8_1 (quantize.cu), except that the block sum is
 // s = d * sum(q) of the quantized values (what the k-quant min term needs:
 // dmin*m * sum_k(d_a*q_a[k]) = dmin*m * s), not the sum of the f32 inputs.
 #include "common.cuh"
 
-// x (T, K) f32 -> q (T, K) int8, d (T, K/32) f32, s (T, K/32) f32
-//   d = amax/127, q = roundf(x/d) (round half away from zero; 0 when amax == 0),
-//   s = d * sum(q).   One warp per 32-value block, lane i owns value i.
+// x (T, K) f32 -> q (T, K) int8, d (T, K/32) f32, s (T, K/32) f32 (common.cuh
+// q8_1_block). One warp per 32-value block, lane i owns value i.
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 quantize_q8_1(const float* __restrict__ x, i8* __restrict__ q, float* __restrict__ d,
               float* __restrict__ s, long long n_blocks) {
     const long long b = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (b >= n_blocks) return;                       // whole warps exit together
     const int lane = threadIdx.x % 32;
-    const float xi = x[b * QK8_1 + lane];
-    float amax = fabsf(xi);
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float db = amax / 127.0f;
-    const int qi = amax == 0.0f ? 0 : (int)roundf(xi / db);
-    int sum = qi;
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    q[b * QK8_1 + lane] = (i8)qi;
-    if (lane == 0) {
-        d[b] = db;
-        s[b] = db * (float)sum;
-    }
+    q8_1_block(x[b * QK8_1 + lane], lane, q + b * QK8_1, d + b, s + b);
+}
+
+// gate, up (n,) f32 -> silu(gate) * up as q8_1 (elementwise.cu's swiglu_f32, then
+// quantize_q8_1, bit for bit): the down projection's operand in a decode step.
+// n a multiple of 32; one warp per block of 32.
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
+swiglu_q8_1(const float* __restrict__ gate, const float* __restrict__ up, i8* __restrict__ q,
+            float* __restrict__ d, float* __restrict__ s, long long n_blocks) {
+    const long long b = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (b >= n_blocks) return;
+    const int lane = threadIdx.x % 32;
+    const float g = gate[b * QK8_1 + lane];
+    // ggml_vec_swiglu_f32; expf, not __expf
+    q8_1_block(g / (1.0f + expf(-g)) * up[b * QK8_1 + lane], lane, q + b * QK8_1, d + b, s + b);
 }

@@ -26,7 +26,8 @@ rope_f32(const float* __restrict__ x, float* __restrict__ y, const float* __rest
     const int p = pos_dev ? *pos_dev : pos0;
     const float* cs = cos_sin + ((size_t)(p + t) * half + i) * 2;
     const float c = cs[0], s = cs[1];
-    const float a = x[base + ia], b = x[base + ib];
-    y[base + ia] = a * c - b * s;
-    y[base + ib] = a * s + b * c;
+    float ya, yb;
+    rope_rotate(x[base + ia], x[base + ib], c, s, &ya, &yb);
+    y[base + ia] = ya;
+    y[base + ib] = yb;
 }

@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType as QT
 from minfer.backend.cuda.attention import FA_HD, flash_attention
 from minfer.backend.cuda.cublas import gemm_f16
 from minfer.backend.cuda.f16 import dequant_f16
-from minfer.backend.cuda.int8 import matvec, quantize_q8_1
+from minfer.backend.cuda.int8 import quantize_q8_1
+from minfer.backend.cuda.matvec import matvec, matvecs
 from minfer.backend.cuda.nvrtc import K
 
 N_LAYER, N_HEAD, N_KV = 28, 28, 4
@@ -108,8 +109,21 @@ def bench_matvec(cp) -> None:
         xq8 = quantize_q8_1(cp.random.standard_normal((1, n_in), dtype=cp.float32))
         y = cp.empty((1, n_out), cp.float32)
         ms = graph_ms(cp, lambda: matvec(qt, *xq8, raw, n_out, None, y))
-        gbs = raw.nbytes / ms / 1e6
-        print(f"{name:<22}{f'{n_in}->{n_out}':>16}{ms * 1e3:9.1f}{gbs:8.0f}{gbs / copy:9.0%}")
+        _row(name, f"{n_in}->{n_out}", ms, raw.nbytes, copy)
+    # the shared launches of a decode step: q and k in one, gate and up in one
+    d, kv, ff = 3584, 512, 18944
+    xq8 = quantize_q8_1(cp.random.standard_normal((1, d), dtype=cp.float32))
+    wq, wk = (random_weight(cp, QT.Q4_K, n, d).reshape(n, -1) for n in (d, kv))
+    ms = graph_ms(cp, lambda: matvecs(QT.Q4_K, *xq8, [(wq, d, None, None, None), (wk, kv, None, None, None)]))
+    _row("attn_q+k (1 launch)", f"{d}->{d}+{kv}", ms, wq.nbytes + wk.nbytes, copy)
+    wg, wu = (random_weight(cp, QT.Q4_K, ff, d).reshape(ff, -1) for _ in range(2))
+    ms = graph_ms(cp, lambda: matvecs(QT.Q4_K, *xq8, [(wg, ff, None, None, None), (wu, ff, None, None, None)]))
+    _row("ffn_gate+up (1 launch)", f"{d}->2x{ff}", ms, wg.nbytes + wu.nbytes, copy)
+
+
+def _row(name: str, shape: str, ms: float, nbytes: int, copy: float) -> None:
+    gbs = nbytes / ms / 1e6
+    print(f"{name:<22}{shape:>16}{ms * 1e3:9.1f}{gbs:8.0f}{gbs / copy:9.0%}")
 
 
 def main() -> int:

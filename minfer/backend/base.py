@@ -61,18 +61,32 @@ class Backend(ABC):
         """x (T, d), w (d,) -> x / rms(x) * w  (T, d)"""
 
     @abstractmethod
-    def linear(self, x, w, bias=None) -> Any:
-        """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> (T, n_out)"""
+    def linear(self, x, w, bias=None, residual=None) -> Any:
+        """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> y (T, n_out); with a
+        residual (T, n_out): residual + y (the residual stream's add, which a backend
+        may fuse into the product's store)"""
 
     def linears(self, x, ws, biases) -> list:
         """Several linears of the same x (q/k/v, gate/up) -> [(T, n_out) each]; a
         backend may share work on x between them (the CUDA f16 engine rounds x once)."""
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
 
-    def ffn(self, h, gate, up, down) -> Any:
-        """SwiGLU feed-forward: h (T, d) -> down(silu(gate h) * (up h)) (T, d); a
-        backend may fuse it or keep the (T, d_ff) intermediates in lower precision."""
-        return self.linear(self.swiglu(*self.linears(h, (gate, up), (None, None))), down)
+    # The composite ops below are the layer's sub-blocks written with the ops above;
+    # a backend may fuse them (the CUDA decode step does), the math stays this.
+    def norm_linears(self, x, norm_w, eps: float, ws, biases) -> list:
+        """linears of rmsnorm(x) * norm_w (the attention's q/k/v, the LM head)"""
+        return self.linears(self.rmsnorm(x, norm_w, eps), ws, biases)
+
+    def ffn(self, x, norm_w, eps: float, gate, up, down) -> Any:
+        """The SwiGLU feed-forward sub-block with its residual: x (T, d) ->
+        x + down(silu(gate h) * (up h)), h = rmsnorm(x) * norm_w (T, d); a backend may
+        fuse it or keep the (T, d_ff) intermediates in lower precision."""
+        h = self.rmsnorm(x, norm_w, eps)
+        return self.linear(self.swiglu(*self.linears(h, (gate, up), (None, None))), down, residual=x)
+
+    def rope_attention(self, q, k, v, cache, layer: int, pos0: int) -> Any:
+        """attention of q and k rotated by RoPE at positions pos0.. (see rope, attention)"""
+        return self.attention(self.rope(q, pos0), self.rope(k, pos0), v, cache, layer, pos0)
 
     @abstractmethod
     def rope(self, x, pos0: int) -> Any:

@@ -163,14 +163,14 @@ class CPUBackend(Backend):
         ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)     # (T, 1) f64, as ggml
         return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * w
 
-    def linear(self, x, w, bias=None):
-        """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> (T, n_out)"""
+    def linear(self, x, w, bias=None, residual=None):
+        """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] [residual + ] -> (T, n_out)"""
         if isinstance(w, QuantTable):       # tied LM head, or weights kept quantized
             w = w.dense(keep=not self.keep_quantized)
         y = x @ w.T
         if bias is not None:
             y += bias
-        return y
+        return y if residual is None else residual + y
 
     def _rope_tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin of pos * theta_i for pos < n_pos: (n_pos, hd/2) float32, grown on demand."""

@@ -35,8 +35,8 @@ class Transformer:
             # comes again for this cache (bench repetitions, perplexity chunks)
             x = be.captured(cache, ("blocks", T, pos0), lambda x: self.blocks(x, pos0, cache), x)
             x = be.rows(x, T - 1 if logits_from is None else logits_from, T)
-            x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
-            return be.to_numpy(be.linear(x, w.output))                       # (n, vocab)
+            logits, = be.norm_linears(x, w.output_norm, cfg.rms_eps, (w.output,), (None,))
+            return be.to_numpy(logits)                                       # (n, vocab)
 
     def blocks(self, x, pos0, cache):
         """The decoder layers: x (T, d) at positions pos0.. -> (T, d); fills the cache.
@@ -45,16 +45,12 @@ class Transformer:
         cfg, be = self.cfg, self.be
         T, hd = x.shape[0], cfg.head_dim
         for i, L in enumerate(self.w.layers):
-            h = be.rmsnorm(x, L.attn_norm, cfg.rms_eps)                      # (T, d)
-            q, k, v = be.linears(h, (L.attn_q, L.attn_k, L.attn_v),
-                                 (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
-            q = be.rope(q.reshape(T, cfg.n_head, hd), pos0)                 # (T, n_head, hd)
-            k = be.rope(k.reshape(T, cfg.n_head_kv, hd), pos0)              # (T, n_kv, hd)
-            v = v.reshape(T, cfg.n_head_kv, hd)
-            a = be.attention(q, k, v, cache, i, pos0)                        # (T, n_head*hd)
-            x = be.add(x, be.linear(a, L.attn_output))
-            h = be.rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            x = be.add(x, be.ffn(h, L.ffn_gate, L.ffn_up, L.ffn_down))        # SwiGLU
+            q, k, v = be.norm_linears(x, L.attn_norm, cfg.rms_eps, (L.attn_q, L.attn_k, L.attn_v),
+                                      (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
+            a = be.rope_attention(q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_head_kv, hd),
+                                  v.reshape(T, cfg.n_head_kv, hd), cache, i, pos0)   # (T, n_head*hd)
+            x = be.linear(a, L.attn_output, residual=x)                     # x + o(a)
+            x = be.ffn(x, L.ffn_norm, cfg.rms_eps, L.ffn_gate, L.ffn_up, L.ffn_down)  # x + SwiGLU
         return x
 
     def prefill(self, tokens, cache) -> np.ndarray:
@@ -78,8 +74,8 @@ class Transformer:
         def step(tokens, p):        # tokens (1,) and position p, as the backend holds them
             x = be.embed(w.token_embd, tokens)                               # (1, d)
             x = self.blocks(x, p, cache)
-            x = be.rmsnorm(x, w.output_norm, cfg.rms_eps)
-            return be.greedy(be.linear(x, w.output))                         # [id, finite]
+            logits, = be.norm_linears(x, w.output_norm, cfg.rms_eps, (w.output,), (None,))
+            return be.greedy(logits)                                         # [id, finite]
 
         with be.guard("running the model"):
             nxt, finite = be.decode(cache, step, token, pos)

@@ -195,8 +195,8 @@ def _matvec(cp, cq, qtype, raw, x, bias=None):
     n_out = raw.shape[0]
     y = cp.full((1, n_out), cp.nan, dtype=cp.float32)
     xq, xd, xs = cq.quantize_q8_1(cp.asarray(x))
-    cq.matvec(qtype, xq, xd, xs, cp.asarray(_pad(qtype, raw)), n_out,
-              None if bias is None else cp.asarray(bias), y)
+    from minfer.backend.cuda.matvec import matvec
+    matvec(qtype, xq, xd, xs, cp.asarray(_pad(qtype, raw)), n_out, None if bias is None else cp.asarray(bias), y)
     return cp.asnumpy(y)
 
 

@@ -105,7 +105,8 @@ def test_matvec_vs_reference(cp, qtype):
     rounding, a few roundings per group of terms bounded by the envelope (|W| plus
     twice its group maximum, since W = a*q + b can cancel), over K/32 groups and a
     5-level reduction; we allow 8 * (K/32 + 8) * 2^-24 * envelope."""
-    from minfer.backend.cuda.int8 import matvec, quantize_q8_1
+    from minfer.backend.cuda.int8 import quantize_q8_1
+    from minfer.backend.cuda.matvec import matvec
     for raw, n_in in _cases(qtype):
         n_out = raw.shape[0]
         x = np.random.default_rng(n_in).standard_normal((1, n_in)).astype(np.float32)

@@ -5,7 +5,9 @@
     flash_attention  kernels/flash_attn.cu  f16 cache, tensor-core mma.m16n8k16 (head dim 128)
     decode_attention kernels/decode_attn.cu one query row over the f16 cache, split over the
                                             keys (flash-decoding), position from device memory
-    attention_f16    store_kv_f16, then flash_attention (T > 1) or decode_attention (T == 1)
+    rope_store_kv_f16 kernels/decode_attn.cu RoPE on q and k and the f16 store of k, v: one launch
+    attention_f16    store_kv_f16, then attend_f16
+    attend_f16       flash_attention (T > 1) or decode_attention (T == 1) over a filled cache
 
 Both compute softmax(q k^T / sqrt(hd)) v over keys 0..pos0+t for query t, query
 head h reading KV head h // (n_head / n_kv), streaming key tiles (no T x T
@@ -128,15 +130,49 @@ def decode_attention(q, k_cache, v_cache, pos, out=None):
     return out
 
 
-def attention_f16(q, k, v, k_cache, v_cache, pos, out=None, q16=None):
-    """q (T, n_head, 128), k/v (T, n_kv, 128) f32: stores k/v into the f16 caches at
-    pos.., then attention -> (T, n_head*128) f32. One row (decode) reads q in f32
+def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out=None):
+    """q (T, n_head, hd), k, v (T, n_kv, hd) f32 at positions pos.. (an int or a
+    launch.DevicePos): rotates q into q_out, and k, then stores k and v into rows
+    pos..pos+T-1 of one layer's f16 caches (n_ctx, n_kv, hd) -> q_out. The values of
+    ops.rope (q and k) and store_kv_f16, bit for bit, in one launch."""
+    check(q, "rope_store_kv_f16 q", cp.float32, ndim=3)
+    T, n_head, hd = q.shape
+    check(k_cache, "rope_store_kv_f16 k_cache", cp.float16, ndim=3)
+    n_ctx, n_kv, _ = k_cache.shape
+    check(v_cache, "rope_store_kv_f16 v_cache", cp.float16, (n_ctx, n_kv, hd))
+    check(k, "rope_store_kv_f16 k", cp.float32, (T, n_kv, hd))
+    check(v, "rope_store_kv_f16 v", cp.float32, (T, n_kv, hd))
+    check(cos_sin, "rope_store_kv_f16 cos_sin", cp.float32, ndim=3)
+    if hd % 2 or cos_sin.shape[1:] != (hd // 2, 2):
+        raise ValueError(f"rope_store_kv_f16: table {cos_sin.shape} does not fit head dim {hd}")
+    pos0 = pos_value(pos)
+    if pos0 < 0 or pos0 + T > min(n_ctx, cos_sin.shape[0]):
+        raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {n_ctx}")
+    q_out = out_array(q_out, q.shape, "rope_store_kv_f16 q_out")              # (T, n_head, hd)
+    n = T * (n_head + n_kv) * (hd // 2)
+    if n:
+        kernel("decode_attn.cu", "rope_store_kv_f16")(
+            (blocks_1d(n),), (THREADS_1D,),
+            (q, q_out, k, v, k_cache, v_cache, cos_sin, np.int32(T), np.int32(n_head), np.int32(n_kv),
+             np.int32(hd), *pos_args(pos), np.int32(bool(neox))))
+    return q_out
+
+
+def attend_f16(q, k_cache, v_cache, pos, out=None, q16=None):
+    """q (T, n_head, 128) f32 over one layer's f16 caches holding positions
+    0..pos+T-1 -> (T, n_head*128) f32. One row (decode) reads q in f32
     (decode_attention; pos may be a launch.DevicePos); longer prompts round q into
     the f16 scratch q16 (>= T*n_head*128) for the tensor-core flash_attention."""
-    store_kv_f16(k, v, k_cache, v_cache, pos)
     if q.shape[0] == 1:
         return decode_attention(q, k_cache, v_cache, pos, out)
     if isinstance(pos, DevicePos):
-        raise ValueError("attention_f16: a device position is for one-row (decode) steps")
-    qh = cast_f16(q, scratch_view(q16, q.shape, "attention_f16 q16", cp.float16))   # (T, n_head, 128)
+        raise ValueError("attend_f16: a device position is for one-row (decode) steps")
+    qh = cast_f16(q, scratch_view(q16, q.shape, "attend_f16 q16", cp.float16))   # (T, n_head, 128)
     return flash_attention(qh, k_cache, v_cache, pos, out)
+
+
+def attention_f16(q, k, v, k_cache, v_cache, pos, out=None, q16=None):
+    """q (T, n_head, 128), k/v (T, n_kv, 128) f32: stores k/v into the f16 caches at
+    pos.., then attend_f16 -> (T, n_head*128) f32."""
+    store_kv_f16(k, v, k_cache, v_cache, pos)
+    return attend_f16(q, k_cache, v_cache, pos, out, q16)

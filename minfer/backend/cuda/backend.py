@@ -161,21 +161,26 @@ class CUDABackend(Backend):
             tokens = cp.asarray(tokens)
         return dequant_rows(table.qtype, table.data, table.n_in, tokens)
 
-    def linear(self, x, w, bias=None, out=None):
-        return self.gemm.linear(x, w, bias=bias, out=out)
+    def linear(self, x, w, bias=None, out=None, residual=None):
+        return self.gemm.linear(x, w, bias=bias, out=out, residual=residual)
 
     def linears(self, x, ws, biases):
         return self.gemm.linears(x, ws, biases)
 
-    def ffn(self, h, gate, up, down):
-        if self.gemm.ffn_fused(h.shape[0], gate, up, down):
-            return self.gemm.ffn_f16(h, gate, up, down)
-        return super().ffn(h, gate, up, down)
+    def norm_linears(self, x, norm_w, eps: float, ws, biases):
+        return self.gemm.norm_linears(x, norm_w, eps, ws, biases)
+
+    def ffn(self, x, norm_w, eps: float, gate, up, down):
+        return self.gemm.ffn(x, norm_w, eps, gate, up, down)
 
     def rmsnorm(self, x, w, eps: float, out=None):
         return ops.rmsnorm(x, w, eps, out=out)
 
     def rope(self, x, pos0, out=None):
+        self._rope_check(x, pos0)
+        return ops.rope(x, self._cos_sin, pos0, self.cfg.rope_neox, out=out)
+
+    def _rope_check(self, x, pos0) -> None:
         end = pos_value(pos0) + x.shape[0]
         if self._cos_sin is None or end > self._cos_sin.shape[0]:
             have = 0 if self._cos_sin is None else self._cos_sin.shape[0]
@@ -183,12 +188,25 @@ class CUDABackend(Backend):
                               f"{have} positions prepared by new_cache")
         if x.shape[-1] != self.cfg.head_dim:
             raise ValueError(f"rope: head dim {x.shape[-1]}, model has {self.cfg.head_dim}")
-        return ops.rope(x, self._cos_sin, pos0, self.cfg.rope_neox, out=out)
 
-    def attention(self, q, k, v, cache, layer: int, pos0: int, out=None):
+    def rope_attention(self, q, k, v, cache, layer: int, pos0, out=None):
+        """The f16 cache (head dim 128): RoPE and the KV store in one launch, then
+        attention over the cache; the f32 cache: rope, rope, attention."""
+        if cache.k.dtype != cp.float16:
+            return self.attention(self.rope(q, pos0), self.rope(k, pos0), v, cache, layer, pos0, out=out)
+        self._check_heads(q, k)
+        self._rope_check(q, pos0)
+        q = attention.rope_store_kv_f16(q, k, v, cache.k[layer], cache.v[layer], self._cos_sin, pos0,
+                                        self.cfg.rope_neox)
+        return attention.attend_f16(q, cache.k[layer], cache.v[layer], pos0, out=out)
+
+    def _check_heads(self, q, k) -> None:
         cfg = self.cfg
         if q.shape[1:] != (cfg.n_head, cfg.head_dim) or k.shape[1:] != (cfg.n_head_kv, cfg.head_dim):
             raise ValueError(f"attention: q {q.shape}, k {k.shape} do not match the model's heads")
+
+    def attention(self, q, k, v, cache, layer: int, pos0: int, out=None):
+        self._check_heads(q, k)
         if cache.k.dtype == cp.float16:          # head dim 128: tensor-core flash attention
             return attention.attention_f16(q, k, v, cache.k[layer], cache.v[layer], pos0, out=out)
         return attention.attention_f32(q, k, v, cache.k[layer], cache.v[layer], pos0, out=out)

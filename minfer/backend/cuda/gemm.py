@@ -4,7 +4,7 @@
 (docs/DESIGN.md has the table with the measurements behind it):
 
     f32 weight                      -> cupy matmul in f32                 counter f32_gemm
-    T == 1 (decode)                 -> x to q8_1, then matvec (int8.py)   q4k_mv / q6k_mv
+    T == 1 (decode)                 -> x to q8_1, then matvec (matvec.py) q4k_mv / q6k_mv
     q4_K / q6_K, and T < settings.f16_min_t or a table (the LM head over many positions)
                                     -> int8 MMQ on q8_1 activations       q4k_mmq / q6k_mmq
     otherwise (layer weights from T = f16_min_t on; every GEMM of the types the MMQ
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as QT
 
 from ...errors import MinferError
-from . import f16, int8
+from . import f16, int8, matvec, ops
 from .launch import cp
 from .settings import CudaSettings
 from .weights import GpuWeight, WeightStore
@@ -113,49 +113,102 @@ class Gemms:
         self.store = store
         self.settings = settings                 # replaced by CUDABackend.using
         self.counters = Counters(settings.report_counts)
-        self._q8 = None                          # (q int8, d f32, s f32), flat
+        self._q8 = [None, None]                  # two slots of (q int8, d f32, s f32), flat
         self._f16 = None                         # (x16, w16) f16, flat
 
     def path(self, T: int, w: GpuWeight) -> GemmPath:
         return gemm_path(T, w, self.settings, self.store.plane_of(w) is not None)
 
-    def linear(self, x, w: GpuWeight, bias=None, out=None):
-        """x f32 (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> f32 (T, n_out)."""
+    def linear(self, x, w: GpuWeight, bias=None, out=None, residual=None):
+        """x f32 (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] [+ residual (T, n_out)]
+        -> f32 (T, n_out). The matvec adds the residual in its store; the other engines
+        add it after the GEMM (residual + y, the order of the unfused graph)."""
         if x.ndim != 2 or x.shape[1] != w.n_in:
             raise MinferError(f"linear {w.name}: input shape {tuple(x.shape)} does not match "
                               f"the weight's {w.n_in} inputs")
         T = x.shape[0]
         p = self.path(T, w)
-        if p.engine == "f16":
-            return self._f16_linears(x, (w,), (bias,), (out,))[0]
-        self.counters.count(p)
-        if p.engine == "f32":
-            y = cp.matmul(x, w.data.T, out=out)                          # (T, n_out)
-            return y if bias is None else cp.add(y, bias, out=y)
-        xq, xd, xs = int8.quantize_q8_1(x, *self._q8_scratch(T, w.n_in))
         if p.engine == "matvec":
-            return int8.matvec(w.qtype, xq, xd, xs, w.data, w.n_out, bias, out)
-        if w.qtype == QT.Q4_K:
-            return int8.mmq_q4k(xq, xd, xs, w.data, w.n_out, bias, out)
-        plane = self.store.plane_of(w) if p.reads_plane else None
-        return int8.mmq_q6k(xq, xd, w.data, plane, w.n_out, bias, out)
+            q8 = int8.quantize_q8_1(x, *self._q8_scratch(0, T, w.n_in))
+            return self._matvecs(q8, (w,), (bias,), (residual,), (out,))[0]
+        if p.engine == "f16":
+            y = self._f16_linears(x, (w,), (bias,), (out,))[0]
+        else:
+            self.counters.count(p)
+            if p.engine == "f32":
+                y = cp.matmul(x, w.data.T, out=out)                      # (T, n_out)
+                if bias is not None:
+                    cp.add(y, bias, out=y)
+            else:
+                xq, xd, xs = int8.quantize_q8_1(x, *self._q8_scratch(0, T, w.n_in))
+                if w.qtype == QT.Q4_K:
+                    y = int8.mmq_q4k(xq, xd, xs, w.data, w.n_out, bias, out)
+                else:
+                    plane = self.store.plane_of(w) if p.reads_plane else None
+                    y = int8.mmq_q6k(xq, xd, w.data, plane, w.n_out, bias, out)
+        return y if residual is None else ops.add(residual, y, out=y)
 
     def linears(self, x, ws, biases) -> list:
         """Weights that read the same x (q/k/v, gate/up) -> [f32 (T, n_out) each]. On
-        the f16 engine x is rounded to f16 once for all of them."""
+        the f16 engine x is rounded to f16 once for all of them; one decode row is
+        quantized to q8_1 once and the weights of one type share a launch."""
         T = x.shape[0]
-        paths = [self.path(T, w) for w in ws]
-        engines = {p.engine for p in paths}
-        if engines == {"f16"} and all(w.n_in == x.shape[1] for w in ws):
-            return self._f16_linears(x, ws, biases, (None,) * len(ws))
-        if engines == {"matvec"} and all(w.n_in == x.shape[1] for w in ws):
-            xq, xd, xs = int8.quantize_q8_1(x, *self._q8_scratch(1, x.shape[1]))   # once for all
-            ys = []
-            for w, b, p in zip(ws, biases, paths):
-                self.counters.count(p)
-                ys.append(int8.matvec(w.qtype, xq, xd, xs, w.data, w.n_out, b))
-            return ys
+        engines = {self.path(T, w).engine for w in ws}
+        if all(w.n_in == x.shape[1] for w in ws):
+            if engines == {"f16"}:
+                return self._f16_linears(x, ws, biases, (None,) * len(ws))
+            if engines == {"matvec"}:
+                q8 = int8.quantize_q8_1(x, *self._q8_scratch(0, 1, x.shape[1]))   # once for all
+                return self._matvecs(q8, ws, biases)
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
+
+    def norm_linears(self, x, norm_w, eps: float, ws, biases) -> list:
+        """rmsnorm(x) * norm_w, then linears: one decode row goes from the norm straight
+        to q8_1 (int8.rmsnorm_q8_1), the same values as the two steps."""
+        if x.shape[0] == 1 and self._all_matvec(x, ws):
+            q8 = int8.rmsnorm_q8_1(x, norm_w, eps, *self._q8_scratch(0, 1, x.shape[1]))
+            return self._matvecs(q8, ws, biases)
+        return self.linears(ops.rmsnorm(x, norm_w, eps), ws, biases)
+
+    def ffn(self, x, norm_w, eps: float, gate: GpuWeight, up: GpuWeight, down: GpuWeight):
+        """The feed-forward sub-block: x + down(silu(gate h) * up h), h = rmsnorm(x) * norm_w.
+        One decode row: four launches (norm to q8_1; gate and up, one launch where they
+        share a type; SwiGLU to q8_1; down with the residual); prompts: the f16 FFN
+        (ffn_f16) or three linears."""
+        T, d_ff = x.shape[0], gate.n_out
+        if (T == 1 and self._all_matvec(x, (gate, up)) and self.path(1, down).engine == "matvec"
+                and up.n_out == d_ff == down.n_in and d_ff % 32 == 0):
+            q8 = int8.rmsnorm_q8_1(x, norm_w, eps, *self._q8_scratch(0, 1, x.shape[1]))
+            g, u = self._matvecs(q8, (gate, up), (None, None))
+            h8 = int8.swiglu_q8_1(g, u, *self._q8_scratch(1, 1, d_ff))
+            return self._matvecs(h8, (down,), (None,), (x,))[0]
+        h = ops.rmsnorm(x, norm_w, eps)
+        if self.ffn_fused(T, gate, up, down):
+            y = self.ffn_f16(h, gate, up, down)
+        else:
+            y = self.linear(ops.swiglu(*self.linears(h, (gate, up), (None, None))), down)
+        return ops.add(x, y, out=y)
+
+    def _all_matvec(self, x, ws) -> bool:
+        return all(w.n_in == x.shape[1] and self.path(1, w).engine == "matvec" for w in ws)
+
+    def _matvecs(self, q8, ws, biases, residuals=None, outs=None) -> list:
+        """q8_1 x (1, K) @ each weight -> [y (1, n_out)], the weights of one type in one
+        launch (up to matvec.MAX_SEGMENTS), each launch's weights counted."""
+        n = len(ws)
+        residuals, outs = residuals or (None,) * n, outs or (None,) * n
+        ys: list = [None] * n
+        for qtype in dict.fromkeys(w.qtype for w in ws):                 # first-seen order
+            idx = [i for i, w in enumerate(ws) if w.qtype == qtype]
+            for c in range(0, len(idx), matvec.MAX_SEGMENTS):
+                part = idx[c:c + matvec.MAX_SEGMENTS]
+                for i in part:
+                    self.counters.count(self.path(1, ws[i]))
+                out = matvec.matvecs(qtype, *q8, [(ws[i].data, ws[i].n_out, biases[i], residuals[i], outs[i])
+                                                  for i in part])
+                for i, y in zip(part, out):
+                    ys[i] = y
+        return ys
 
     def ffn_fused(self, T: int, gate: GpuWeight, up: GpuWeight, down: GpuWeight) -> bool:
         """Does the FFN of T tokens run fused in f16 (all three GEMMs on the f16 engine)?"""
@@ -186,13 +239,14 @@ class Gemms:
         return f16.linear_f16_from(xh, w.data, w.qtype, w.n_out, w.n_in, out=out, w16=w16,
                                    w_exp=plane, bias=bias)
 
-    def _q8_scratch(self, T: int, n: int):
-        """q8_1 buffers for x (T, n), grown when too small."""
-        if self._q8 is None or self._q8[0].size < T * n:
-            self._q8 = (cp.empty(T * n, cp.int8),                      # (T*n,)
-                        cp.empty(T * n // 32, cp.float32),             # (T*n/32,)
-                        cp.empty(T * n // 32, cp.float32))             # (T*n/32,)
-        q, d, s = self._q8
+    def _q8_scratch(self, slot: int, T: int, n: int):
+        """q8_1 buffers for x (T, n) in one of two slots (a decode step's FFN reads
+        slot 0 and writes slot 1), grown when too small."""
+        if self._q8[slot] is None or self._q8[slot][0].size < T * n:
+            self._q8[slot] = (cp.empty(T * n, cp.int8),                # (T*n,)
+                              cp.empty(T * n // 32, cp.float32),       # (T*n/32,)
+                              cp.empty(T * n // 32, cp.float32))       # (T*n/32,)
+        q, d, s = self._q8[slot]
         return (q[:T * n].reshape(T, n), d[:T * n // 32].reshape(T, n // 32),
                 s[:T * n // 32].reshape(T, n // 32))
 
@@ -208,7 +262,7 @@ class Gemms:
 
     def scratch(self) -> tuple:
         """The scratch buffers now in use (a captured graph keeps them alive)."""
-        return (self._q8, self._f16)
+        return (tuple(self._q8), self._f16)
 
     def scratch_bytes(self) -> int:
         return sum(int(a.nbytes) for a in (self._f16 or ()))

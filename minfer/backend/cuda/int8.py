@@ -5,12 +5,16 @@
     mmq_q6k        kernels/mmq.cu       q8_1 x @ q6_K W^T; with a W_exp plane, B is staged
                                         by cp.async from the plane (EXP=true), else the
                                         padded blocks are expanded in the kernel (EXP=false)
-    matvec         kernels/matvec.cu    q8_1 x (1, K) @ W^T (dp4a), MV_RPW output rows per warp
+    rmsnorm_q8_1   kernels/norm.cu      rmsnorm whose output is written as q8_1 (a decode
+                                        step's matvec operand: no f32 round trip)
+    swiglu_q8_1    kernels/quantize.cu  silu(gate) * up written as q8_1 (the same for the
+                                        down projection)
     dequant_rows   kernels/dequant.cu   selected rows of a table (the embedding), bit-identical
                                         to minfer.quants.dequantize_rows
-    matvec32, dequant32_rows  kernels/quants32.cu  the same for the types read in 32-element
-                                        groups (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K), one
-                                        template over a per-type group decoder
+    dequant32_rows kernels/quants32.cu  the same for the types read in 32-element groups
+                                        (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q5_K), one template
+                                        over a per-type group decoder (q32_decode.cuh)
+The decode matvecs on q8_1 activations are in matvec.py.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ BLOCK_BYTES = {QT.Q4_K: K["Q4K_BYTES"], QT.Q6_K: K["Q6K_PADDED"]}
 # template argument is the ggml type id)
 Q32_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q5_K)
 Q32_INSTANCES = tuple(f"{k}<{int(t)}>" for t in Q32_TYPES
-                      for k in ("dequant32_f16", "dequant32_rows", "matvec32"))
+                      for k in ("dequant32_f16", "dequant32_rows"))
 
 
 def q32_kernel(name: str, qtype):
@@ -69,6 +73,43 @@ def quantize_q8_1(x, q=None, d=None, s=None):
         warps = K["THREADS_1D"] // 32                                 # one warp per block of 32
         kernel("quantize.cu", "quantize_q8_1")((blocks_1d(T * nb, warps),), (K["THREADS_1D"],),
                                                (x, q, d, s, np.int64(T * nb)))
+    return q, d, s
+
+
+def rmsnorm_q8_1(x, w, eps: float, q=None, d=None, s=None):
+    """x f32 (T, K), w (K,) -> rmsnorm(x) * w as q8_1: q int8 (T, K), d, s f32 (T, K/32),
+    the values of ops.rmsnorm then quantize_q8_1, bit for bit, in one launch"""
+    check(x, "rmsnorm_q8_1 x", cp.float32, ndim=2)
+    T, n = x.shape
+    check(w, "rmsnorm_q8_1 w", cp.float32, (n,))
+    if n % K["QK8_1"]:
+        raise ValueError(f"rmsnorm_q8_1: x shape {x.shape}, K must be a multiple of 32")
+    nb = n // K["QK8_1"]
+    q = out_array(q, (T, n), "rmsnorm_q8_1 q", cp.int8)              # (T, K)
+    d = out_array(d, (T, nb), "rmsnorm_q8_1 d")                      # (T, K/32)
+    s = out_array(s, (T, nb), "rmsnorm_q8_1 s")                      # (T, K/32)
+    if T:
+        kernel("norm.cu", "rmsnorm_q8_1")((T,), (K["NORM_THREADS"],),
+                                          (x, w, q, d, s, np.int32(n), np.float32(eps)))
+    return q, d, s
+
+
+def swiglu_q8_1(gate, up, q=None, d=None, s=None):
+    """gate, up f32 (T, n) -> silu(gate) * up as q8_1: q int8 (T, n), d, s f32 (T, n/32),
+    the values of ops.swiglu then quantize_q8_1, bit for bit, in one launch"""
+    check(gate, "swiglu_q8_1 gate", cp.float32, ndim=2)
+    T, n = gate.shape
+    check(up, "swiglu_q8_1 up", cp.float32, (T, n))
+    if n % K["QK8_1"]:
+        raise ValueError(f"swiglu_q8_1: shape {gate.shape}, n must be a multiple of 32")
+    nb = n // K["QK8_1"]
+    q = out_array(q, (T, n), "swiglu_q8_1 q", cp.int8)               # (T, n)
+    d = out_array(d, (T, nb), "swiglu_q8_1 d")                       # (T, n/32)
+    s = out_array(s, (T, nb), "swiglu_q8_1 s")
+    if T * nb:
+        warps = K["THREADS_1D"] // 32
+        kernel("quantize.cu", "swiglu_q8_1")((blocks_1d(T * nb, warps),), (K["THREADS_1D"],),
+                                             (gate, up, q, d, s, np.int64(T * nb)))
     return q, d, s
 
 
@@ -105,31 +146,6 @@ def mmq_q6k(xq, xd, w_padded, plane, od: int, bias=None, y=None):
         check(plane, "mmq_q6k W_exp plane", cp.int8, (od, xq.shape[1]))
     return _mmq(_MMQ[1] if plane is not None else _MMQ[2], xq, xd, (w_padded, or_null(plane)),
                 w_padded, QT.Q6_K, od, bias, y)
-
-
-def matvec(qtype, xq, xd, xs, w, od: int, bias=None, y=None):
-    """q8_1 x (1, K) (quantize_q8_1) @ W (od, K)^T [+ bias] -> y (1, od) f32;
-    W q4_K as stored or q6_K padded (the q6_K kernel needs no sums xs)."""
-    qtype = QT(qtype)
-    name = {QT.Q4_K: "matvec_q4k", QT.Q6_K: "matvec_q6k"}.get(qtype, "matvec32")
-    check(xq, f"{name} xq", cp.int8, ndim=2, align16=True)
-    n = xq.shape[1]
-    bs = GGML_QUANT_SIZES[qtype][0]
-    if xq.shape[0] != 1 or n % bs:
-        raise ValueError(f"{name}: x has shape {xq.shape}, expected (1, K), K a multiple of {bs}")
-    check(xd, f"{name} xd", cp.float32, (1, n // 32))
-    check(xs, f"{name} xs", cp.float32, (1, n // 32))
-    row = n // QK_K * BLOCK_BYTES[qtype] if qtype in BLOCK_BYTES else q32_row_bytes(qtype, n)
-    check(w, f"{name} w", cp.uint8, (od, row), align16=True)
-    if bias is not None:
-        check(bias, f"{name} bias", cp.float32, (od,))
-    y = out_array(y, (1, od), f"{name} y")                            # (1, od)
-    x_args = (xq, xd) if qtype == QT.Q6_K else (xq, xd, xs)
-    if od:
-        fn = kernel("matvec.cu", name) if qtype in BLOCK_BYTES else q32_kernel(name, qtype)
-        fn((blocks_1d(od, MV_ROWS_PER_BLOCK),), (K["MV_WARPS"] * 32,),
-           (w,) + x_args + (or_null(bias), y, np.int32(od), np.int32(n)))
-    return y
 
 
 def dequant_rows(qtype, w, n_cols: int, tokens, y=None):

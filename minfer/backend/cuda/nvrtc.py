@@ -35,9 +35,10 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MMQ_NST": 3,
     "MMQ_THREADS": 256,
     # matvec (matvec.cu): MV_RPW output rows per warp (sharing the loads of x),
-    # MV_WARPS warps per block
+    # MV_WARPS warps per block, at least MV_MIN_BLOCKS blocks resident per SM
     "MV_RPW": 4,
     "MV_WARPS": 4,
+    "MV_MIN_BLOCKS": 6,
     # rmsnorm (norm.cu): one block per row
     "NORM_THREADS": 256,
     # f32 attention (attention.cu): ATT_BQ query rows per block, keys in tiles of ATT_BK

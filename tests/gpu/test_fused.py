@@ -1,0 +1,122 @@
+"""The decode step's fused kernels give the bits of the unfused kernels they replace:
+
+    rmsnorm_q8_1        == quantize_q8_1(rmsnorm(x))
+    matvecs (3 weights) == three matvec launches; with a residual == add(res, matvec)
+    swiglu_q8_1         == quantize_q8_1(swiglu(gate, up))
+    rope_store_kv_f16   == rope(q), rope(k), store_kv_f16(k, v)
+
+The unfused kernels are each checked against NumPy (test_ops.py, test_mmq.py,
+test_quants32.py, test_decode.py); equality bit for bit is what keeps the greedy
+streams (tests/golden) unchanged by the fusion. Irregular shapes; outputs poisoned
+with NaN first (an element a kernel forgets fails the comparison)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from .test_mmq import _pad, _weights
+from .test_quants32 import _random_blocks
+
+pytestmark = pytest.mark.gpu
+
+TYPES = (QT.Q4_K, QT.Q6_K, QT.Q4_1, QT.Q8_0, QT.Q5_K, QT.Q5_0)
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+def _raw(qtype, n_out: int, K: int, seed: int) -> np.ndarray:
+    if qtype in (QT.Q4_K, QT.Q6_K):
+        return _pad(qtype, _weights(qtype, n_out, K, seed=seed))
+    return _random_blocks(qtype, n_out, K, seed)
+
+
+def _x(rng, T: int, K: int) -> np.ndarray:
+    x = (rng.standard_normal((T, K)) * rng.uniform(0.2, 4.0, (1, K))).astype(np.float32)
+    x[rng.random((T, K)) < 0.01] *= 30.0
+    return x
+
+
+def _same(a, b) -> bool:
+    a, b = (np.ascontiguousarray(v) for v in (a, b))
+    return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def _q8_equal(cp, got, want) -> None:
+    for g, w, nm in zip(got, want, "qds"):
+        assert _same(cp.asnumpy(g), cp.asnumpy(w)), nm
+
+
+@pytest.mark.parametrize("T,K", [(1, 96), (1, 1536), (3, 3584), (2, 8960)])
+def test_rmsnorm_q8_1_equals_norm_then_quantize(cp, T, K):
+    from minfer.backend.cuda import int8, ops
+    rng = np.random.default_rng([T, K])
+    x, w = cp.asarray(_x(rng, T, K)), cp.asarray(rng.uniform(0.5, 2.0, K).astype(np.float32))
+    if T > 1:
+        x[T - 1, :32] = 0.0                                   # an all-zero block (amax == 0)
+    want = int8.quantize_q8_1(ops.rmsnorm(x, w, 1e-6))
+    got = (cp.full((T, K), 7, cp.int8), cp.full((T, K // 32), cp.nan, cp.float32),
+           cp.full((T, K // 32), cp.nan, cp.float32))
+    int8.rmsnorm_q8_1(x, w, 1e-6, *got)
+    _q8_equal(cp, got, want)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matvecs_three_weights_equal_three_launches(cp, qtype):
+    from minfer.backend.cuda import int8, ops
+    from minfer.backend.cuda.matvec import matvec, matvecs
+    rng = np.random.default_rng(int(qtype))
+    K = 768
+    ods = (200, 37, 64)                                  # never a whole number of blocks' rows
+    ws = [cp.asarray(_raw(qtype, od, K, i)) for i, od in enumerate(ods)]
+    biases = [cp.asarray(rng.standard_normal(od).astype(np.float32)) if i != 1 else None
+              for i, od in enumerate(ods)]
+    res = [None, None, cp.asarray(rng.standard_normal((1, ods[2])).astype(np.float32))]
+    q8 = int8.quantize_q8_1(cp.asarray(_x(rng, 1, K)))
+    outs = [cp.full((1, od), cp.nan, cp.float32) for od in ods]
+    got = matvecs(qtype, *q8, list(zip(ws, ods, biases, res, outs)))
+    assert all(g is o for g, o in zip(got, outs))
+    for i, od in enumerate(ods):
+        want = matvec(qtype, *q8, ws[i], od, biases[i])
+        if res[i] is not None:
+            want = ops.add(res[i], want)
+        assert _same(cp.asnumpy(got[i]), cp.asnumpy(want)), i
+
+
+@pytest.mark.parametrize("T,n", [(1, 96), (1, 8960), (3, 544)])
+def test_swiglu_q8_1_equals_swiglu_then_quantize(cp, T, n):
+    from minfer.backend.cuda import int8, ops
+    rng = np.random.default_rng([T, n])
+    g, u = (cp.asarray(_x(rng, T, n)) for _ in range(2))
+    g[0, :32] = -200.0                                   # exp(-g) overflows: silu = -0
+    want = int8.quantize_q8_1(ops.swiglu(g, u))
+    got = (cp.full((T, n), 7, cp.int8), cp.full((T, n // 32), cp.nan, cp.float32),
+           cp.full((T, n // 32), cp.nan, cp.float32))
+    int8.swiglu_q8_1(g, u, *got)
+    _q8_equal(cp, got, want)
+
+
+@pytest.mark.parametrize("T,pos,on_device", [(1, 0, True), (1, 77, True), (6, 5, False), (1, 9, False)])
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
+def test_rope_store_kv_equals_rope_then_store(cp, T, pos, on_device, neox):
+    from minfer.backend.cuda import attention, ops
+    from minfer.backend.cuda.launch import DevicePos
+    rng = np.random.default_rng([T, pos, neox])
+    n_head, n_kv, hd, n_ctx = 12, 2, 128, 96
+    table = cp.asarray(ops.rope_table(n_ctx, hd, 1e6))
+    q, k, v = (cp.asarray((rng.standard_normal((T, h, hd)) * 3).astype(np.float32))
+               for h in (n_head, n_kv, n_kv))
+    p = DevicePos(pos, cp.asarray(np.array([pos], np.int32))) if on_device else pos
+    kc_w, vc_w = cp.full((n_ctx, n_kv, hd), np.nan, cp.float16), cp.full((n_ctx, n_kv, hd), np.nan, cp.float16)
+    q_w = ops.rope(q, table, p, neox)
+    attention.store_kv_f16(ops.rope(k, table, p, neox), v, kc_w, vc_w, p)
+    kc, vc = cp.full_like(kc_w, np.nan), cp.full_like(vc_w, np.nan)
+    q_out = cp.full_like(q, np.nan)
+    assert attention.rope_store_kv_f16(q, k, v, kc, vc, table, p, neox, q_out) is q_out
+    assert _same(cp.asnumpy(q_out), cp.asnumpy(q_w))
+    for got, want in ((kc, kc_w), (vc, vc_w)):                  # NaN rows match NaN rows bytewise
+        assert _same(cp.asnumpy(got), cp.asnumpy(want))
