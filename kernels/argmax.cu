@@ -36,3 +36,11 @@ argmax_f32(const float* __restrict__ x, int n, int* __restrict__ out) {
         out[1] = !bad;
     }
 }
+
+// A decode step's last launch: its greedy token becomes the next step's input and
+// the position advances (feed = [token, pos]), so the host can queue the next
+// replay of the step's CUDA graph before it has read this one's token.
+extern "C" __global__ void advance_feed(const int* __restrict__ out, int* __restrict__ feed) {
+    feed[0] = out[0];
+    feed[1] += 1;
+}

@@ -4,10 +4,13 @@
 //   p = pos_dev ? *pos_dev : pos0
 //
 // Decode attention is split over the keys (flash-decoding): a block per
-// (KV head, split) walks its share of keys 0..p for all the query heads of
+// (KV head, split of DEC_CHUNK keys) walks its keys for all the query heads of
 // that KV head (K and V are read once per group), keeping an online softmax
 // per head, and writes a partial (max, sum, accumulator); attn_decode_combine
-// merges the splits. q stays f32 (it is one row); K and V come from the f16
+// merges the splits. The grid covers the whole cache, so a step captured once
+// replays at any position; the blocks past the position exit at once. A fixed
+// chunk (not a fixed number of splits) keeps the work per warp short at long
+// contexts: 3,325 keys in 32 splits left each warp 26 keys in a row, latency-bound. q stays f32 (it is one row); K and V come from the f16
 // cache; scores, softmax and accumulators are f32.
 #include "common.cuh"
 
@@ -79,48 +82,101 @@ rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, const flo
     vc[dst + ib] = (u16)f16_bits_rn(v[src + ib]);
 }
 
+// Lane l's four dims 4l..4l+3 of a head row (f32), rotated by RoPE at position p
+// when cs (the table row of p, (64, 2)) is given: NeoX pairs (i, i+64) sit in lanes
+// l and l+16 (one shuffle), adjacent pairs inside the lane. rope_rotate, as rope.cu.
+__device__ __forceinline__ float4 rope_lane(float4 x, const float* __restrict__ cs, int lane, bool neox) {
+    if (!cs) return x;
+    float v[4] = {x.x, x.y, x.z, x.w}, y[4];
+    if (neox) {
+        const bool lo = lane < 16;
+        const int i0 = 4 * (lane % 16);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float other = __shfl_xor_sync(0xffffffffu, v[e], 16);
+            const float c = cs[2 * (i0 + e)], sn = cs[2 * (i0 + e) + 1];
+            float ya, yb;
+            rope_rotate(lo ? v[e] : other, lo ? other : v[e], c, sn, &ya, &yb);
+            y[e] = lo ? ya : yb;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+            const int i = 2 * lane + e / 2;
+            rope_rotate(v[e], v[e + 1], cs[2 * i], cs[2 * i + 1], &y[e], &y[e + 1]);
+        }
+    }
+    return make_float4(y[0], y[1], y[2], y[3]);
+}
+
 // q (n_head, 128) f32; kc, vc (n_ctx, n_kv, 128) f16 of one layer, keys 0..p stored;
-// part (n_head, DEC_SPLITS, DEC_PART) f32. scale_log2 = log2(e)/sqrt(128): scores
-// in the log2 domain (exp2f). grid = (n_kv, DEC_SPLITS), block = DEC_THREADS.
-// A warp takes every DEC_WARPS-th key of the split; lane l holds dims 4l..4l+3.
+// part (n_head, n_split, DEC_PART) f32. scale_log2 = log2(e)/sqrt(128): scores in
+// the log2 domain (exp2f). grid = (n_kv, n_split), n_split * DEC_CHUNK >= n_ctx,
+// block = DEC_THREADS; a block whose keys start past p writes nothing (the combine
+// reads only the splits that hold keys). Warp w takes keys j0+w, j0+w+DEC_WARPS, ...
+// two at a time, both rows loaded before either is used, so a warp waits for memory
+// once per pair; lane l holds dims 4l..4l+3.
+// With cos_sin (n_pos, 64, 2) given, q and k_new come un-rotated: every block
+// rotates its query heads, and the block that holds key p rotates k_new and stores
+// it and v_new (1, n_kv, 128) f32 into row p before reading it (rope_store_kv_f16's
+// values, one launch fewer); only that block ever reads row p.
 extern "C" __global__ void __launch_bounds__(DEC_THREADS)
-attn_decode_f16(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
-                float* __restrict__ part, int n_head, int n_kv, int pos0,
-                const int* __restrict__ pos_dev, float scale_log2) {
+attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc,
+                float* __restrict__ part, int n_head, int n_kv, int n_split, int pos0,
+                const int* __restrict__ pos_dev, float scale_log2, const float* __restrict__ k_new,
+                const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox) {
     __shared__ float s_ml[DEC_WARPS][DEC_MAX_G][2];
     __shared__ float s_acc[DEC_WARPS][DEC_MAX_G][FA_HD];
     const int kvh = blockIdx.x, split = blockIdx.y, G = n_head / n_kv;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d0 = 4 * lane;
-    const int n_keys = (pos_dev ? *pos_dev : pos0) + 1;
-    const int chunk = (n_keys + DEC_SPLITS - 1) / DEC_SPLITS;
-    const int j0 = split * chunk, j1 = min(n_keys, j0 + chunk);
+    const int p = pos_dev ? *pos_dev : pos0, n_keys = p + 1;
+    const int j0 = split * DEC_CHUNK, j1 = min(n_keys, j0 + DEC_CHUNK);
+    if (j0 >= n_keys) return;                               // whole block: no key here
+    const float* cs = cos_sin ? cos_sin + (size_t)p * FA_HD : nullptr;   // (64, 2) at p
 
+    if (cs && j1 == n_keys && warp == 0) {                  // this block holds key p
+        const size_t src = (size_t)kvh * FA_HD + d0, dst = ((size_t)p * n_kv + kvh) * FA_HD + d0;
+        const float4 kr = rope_lane(*(const float4*)(k_new + src), cs, lane, neox);
+        const float4 vv = *(const float4*)(v_new + src);
+        *(uint2*)(kc + dst) = make_uint2(f32x2_to_f16x2(kr.x, kr.y), f32x2_to_f16x2(kr.z, kr.w));
+        *(uint2*)(vc + dst) = make_uint2(f32x2_to_f16x2(vv.x, vv.y), f32x2_to_f16x2(vv.z, vv.w));
+    }
     float qr[DEC_MAX_G][4], m[DEC_MAX_G], l[DEC_MAX_G], acc[DEC_MAX_G][4];
 #pragma unroll
     for (int g = 0; g < DEC_MAX_G; ++g) {
-        const float4 qv = g < G ? *(const float4*)(q + (size_t)(kvh * G + g) * FA_HD + d0)
-                                : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 qv = g < G ? *(const float4*)(q + (size_t)(kvh * G + g) * FA_HD + d0)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+        qv = rope_lane(qv, cs, lane, neox);
         qr[g][0] = qv.x * scale_log2; qr[g][1] = qv.y * scale_log2;
         qr[g][2] = qv.z * scale_log2; qr[g][3] = qv.w * scale_log2;
         m[g] = DEC_NEG_INF; l[g] = 0.f;
         acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
     }
-    for (int j = j0 + warp; j < j1; j += DEC_WARPS) {
+    if (cs) __syncthreads();                                // row p stored before any warp reads it
+    for (int j = j0 + warp; j < j1; j += 2 * DEC_WARPS) {
+        const int jb = j + DEC_WARPS;
+        const bool two = jb < j1;
         const size_t at = ((size_t)j * n_kv + kvh) * FA_HD + d0;
-        const uint2 kw = *(const uint2*)(kc + at), vw = *(const uint2*)(vc + at);
-        const float k4[4] = {f16_lo(kw.x), f16_hi(kw.x), f16_lo(kw.y), f16_hi(kw.y)};
-        const float v4[4] = {f16_lo(vw.x), f16_hi(vw.x), f16_lo(vw.y), f16_hi(vw.y)};
+        const size_t bt = ((size_t)(two ? jb : j) * n_kv + kvh) * FA_HD + d0;
+        const uint2 kw[2] = {*(const uint2*)(kc + at), *(const uint2*)(kc + bt)};
+        const uint2 vw[2] = {*(const uint2*)(vc + at), *(const uint2*)(vc + bt)};
 #pragma unroll
-        for (int g = 0; g < DEC_MAX_G; ++g) {
-            if (g >= G) break;
-            float s = qr[g][0] * k4[0] + qr[g][1] * k4[1] + qr[g][2] * k4[2] + qr[g][3] * k4[3];
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            const float mn = fmaxf(m[g], s);
-            const float c = exp2f(m[g] - mn), p = exp2f(s - mn);
-            l[g] = l[g] * c + p;
+        for (int u = 0; u < 2; ++u) {
+            if (u == 1 && !two) break;
+            const float k4[4] = {f16_lo(kw[u].x), f16_hi(kw[u].x), f16_lo(kw[u].y), f16_hi(kw[u].y)};
+            const float v4[4] = {f16_lo(vw[u].x), f16_hi(vw[u].x), f16_lo(vw[u].y), f16_hi(vw[u].y)};
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[g][i] = acc[g][i] * c + p * v4[i];
-            m[g] = mn;
+            for (int g = 0; g < DEC_MAX_G; ++g) {
+                if (g >= G) break;
+                float s = qr[g][0] * k4[0] + qr[g][1] * k4[1] + qr[g][2] * k4[2] + qr[g][3] * k4[3];
+                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                const float mn = fmaxf(m[g], s);
+                const float c = exp2f(m[g] - mn), p = exp2f(s - mn);
+                l[g] = l[g] * c + p;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[g][i] = acc[g][i] * c + p * v4[i];
+                m[g] = mn;
+            }
         }
     }
 #pragma unroll
@@ -137,31 +193,31 @@ attn_decode_f16(const float* __restrict__ q, const u16* __restrict__ kc, const u
         float M = DEC_NEG_INF;
         for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, s_ml[w][g][0]);
         float L = 0.f, A = 0.f;
-        if (M != DEC_NEG_INF) {                         // a split with no keys stays empty
-            for (int w = 0; w < DEC_WARPS; ++w) {
-                const float c = exp2f(s_ml[w][g][0] - M);
-                L += s_ml[w][g][1] * c;
-                A += s_acc[w][g][d] * c;
-            }
+        for (int w = 0; w < DEC_WARPS; ++w) {
+            if (s_ml[w][g][0] == DEC_NEG_INF) continue;   // a warp with no key (a short last split)
+            const float c = exp2f(s_ml[w][g][0] - M);
+            L += s_ml[w][g][1] * c;
+            A += s_acc[w][g][d] * c;
         }
-        float* out = part + ((size_t)(kvh * G + g) * DEC_SPLITS + split) * DEC_PART;
+        float* out = part + ((size_t)(kvh * G + g) * n_split + split) * DEC_PART;
         if (d == 0) { out[0] = M; out[1] = L; }
         out[2 + d] = A;
     }
 }
 
-// part (n_head, DEC_SPLITS, DEC_PART) -> o (n_head * 128) f32; grid = n_head, block = FA_HD
+// part (n_head, n_split, DEC_PART) -> o (n_head * 128) f32, merging the splits that
+// hold keys 0..p; grid = n_head, block = FA_HD
 extern "C" __global__ void __launch_bounds__(FA_HD)
-attn_decode_combine(const float* __restrict__ part, float* __restrict__ o) {
-    const float* p = part + (size_t)blockIdx.x * DEC_SPLITS * DEC_PART;
+attn_decode_combine(const float* __restrict__ part, float* __restrict__ o, int n_split, int pos0,
+                    const int* __restrict__ pos_dev) {
+    const int used = min(n_split, ((pos_dev ? *pos_dev : pos0) + DEC_CHUNK) / DEC_CHUNK);
+    const float* p = part + (size_t)blockIdx.x * n_split * DEC_PART;
     const int d = threadIdx.x;
     float M = DEC_NEG_INF;
-    for (int s = 0; s < DEC_SPLITS; ++s) M = fmaxf(M, p[s * DEC_PART]);
+    for (int s = 0; s < used; ++s) M = fmaxf(M, p[s * DEC_PART]);
     float L = 0.f, A = 0.f;
-    for (int s = 0; s < DEC_SPLITS; ++s) {
-        const float ms = p[s * DEC_PART];
-        if (ms == DEC_NEG_INF) continue;                 // an empty split
-        const float c = exp2f(ms - M);
+    for (int s = 0; s < used; ++s) {
+        const float c = exp2f(p[s * DEC_PART] - M);
         L += p[s * DEC_PART + 1] * c;
         A += p[s * DEC_PART + 2 + d] * c;
     }

@@ -8,12 +8,14 @@
 //
 // One row-dot routine per format (dot_q4k, dot_q6k, dot_q32) takes R weight rows
 // and adds each lane's share of row . x to acc[R]; the lanes' partial sums meet in
-// a warp reduction. One kernel, templated on the ggml type id (Q4_K 12, q6_K 14
-// padded, and the 32-element group types of q32_decode.cuh):
+// a warp reduction. One kernel, templated on two ggml type ids (Q4_K 12, q6_K 14
+// padded, and the 32-element group types of q32_decode.cuh) that its weights take:
 //   matvec  y_s (od_s,) = W_s (od_s, K) @ x [+ bias_s] [+ res_s] for up to three
 //           weights that read the same x (q/k/v, gate/up in one launch), MV_RPW rows
-//           per warp, MV_WARPS warps per block, the blocks of the weights one after
-//           the other in the grid; res is the residual stream (y may alias it)
+//           per warp or per block (split: a block's warps share its rows, each
+//           taking part of K), MV_WARPS warps per block, the blocks of the weights
+//           one after the other in the grid; res is the residual stream (y may
+//           alias it)
 // Weights are read through the non-coherent cache (__ldg): the weight pointer is
 // picked per block, so __restrict__ alone no longer tells the compiler.
 // MV_MIN_BLOCKS resident blocks per SM cap the registers at 80: the q6_K kernel
@@ -21,8 +23,10 @@
 // blocks fit; the sixth block's warps took the 7B's q6_K ffn_down from 51 to 27 us
 // (docs/PERF.md 6.10).
 // Rows past od are clamped to the last row (computed, never written), so the loop
-// bodies have no branch between their loads. A row's arithmetic does not depend
-// on the launch it is in, so one weight per launch or three give the same bits.
+// bodies have no branch between their loads. A row's arithmetic depends only on
+// the split, which the wrapper picks from the weight's own row count (few rows:
+// split, so the grid still fills the GPU), so one weight per launch or three give
+// the same bits.
 #include "q32_decode.cuh"
 
 #define QT_Q4K 12
@@ -78,11 +82,11 @@ __device__ __forceinline__ size_t row_bytes(int K) {
 template <int R>
 __device__ __forceinline__ void dot_q4k(const u8* const (&rows)[R], const i8* __restrict__ xq,
                                         const float* __restrict__ xd, const float* __restrict__ xs,
-                                        int K, int lane, float (&acc)[R]) {
+                                        int K, int lane, int kw, int nkw, float (&acc)[R]) {
     const int nb = K / QK_K;
     const int c = lane % 8, i = c / 2, l0 = (c % 2) * 16;
     const float first = l0 == 0 ? 1.0f : 0.0f;          // this lane adds the min terms
-    for (int b = lane / 8; b < nb; b += 4) {
+    for (int b = lane / 8 + 4 * kw; b < nb; b += 4 * nkw) {
         uint4 hd[R], q[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -118,11 +122,12 @@ __device__ __forceinline__ void dot_q4k(const u8* const (&rows)[R], const i8* __
 // as uint4s, d as one 16-bit load. (The sums xs are not needed.)
 template <int R>
 __device__ __forceinline__ void dot_q6k(const u8* const (&rows)[R], const i8* __restrict__ xq,
-                                        const float* __restrict__ xd, int K, int lane, float (&acc)[R]) {
+                                        const float* __restrict__ xd, int K, int lane, int kw, int nkw,
+                                        float (&acc)[R]) {
     const int nb = K / QK_K;
     const int c = lane % 8, h = c / 4, m = (c / 2) % 2, l0 = (c % 2) * 16;
     const u32 ones[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
-    for (int b = lane / 8; b < nb; b += 4) {
+    for (int b = lane / 8 + 4 * kw; b < nb; b += 4 * nkw) {
         uint4 ql[R], qh[R], sc[R];
         u16 dh[R];
 #pragma unroll
@@ -166,11 +171,11 @@ __device__ __forceinline__ void dot_q6k(const u8* const (&rows)[R], const i8* __
 template <int QT, int R>
 __device__ __forceinline__ void dot_q32(const u8* const (&rows)[R], const i8* __restrict__ xq,
                                         const float* __restrict__ xd, const float* __restrict__ xs,
-                                        int K, int lane, float (&acc)[R]) {
+                                        int K, int lane, int kw, int nkw, float (&acc)[R]) {
     const int ng = K / 32;
     const u32 ones[8] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u,
                          0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
-    for (int gi = lane; gi < ng; gi += 32) {
+    for (int gi = lane + 32 * kw; gi < ng; gi += 32 * nkw) {
         const uint4 x0 = *(const uint4*)(xq + 32 * gi), x1 = *(const uint4*)(xq + 32 * gi + 16);
         const float da = xd[gi], sa = xs[gi];
         const int sx = dot32(ones, x0, x1);                    // sum(xq)
@@ -185,51 +190,88 @@ __device__ __forceinline__ void dot_q32(const u8* const (&rows)[R], const i8* __
 template <int QT, int R>
 __device__ __forceinline__ void dot_rows(const u8* const (&rows)[R], const i8* __restrict__ xq,
                                          const float* __restrict__ xd, const float* __restrict__ xs,
-                                         int K, int lane, float (&acc)[R]) {
+                                         int K, int lane, int kw, int nkw, float (&acc)[R]) {
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-    if constexpr (QT == QT_Q4K) dot_q4k<R>(rows, xq, xd, xs, K, lane, acc);
-    else if constexpr (QT == QT_Q6K) dot_q6k<R>(rows, xq, xd, K, lane, acc);
-    else dot_q32<QT, R>(rows, xq, xd, xs, K, lane, acc);
+    if constexpr (QT == QT_Q4K) dot_q4k<R>(rows, xq, xd, xs, K, lane, kw, nkw, acc);
+    else if constexpr (QT == QT_Q6K) dot_q6k<R>(rows, xq, xd, K, lane, kw, nkw, acc);
+    else dot_q32<QT, R>(rows, xq, xd, xs, K, lane, kw, nkw, acc);
 }
 
-// q8_1 x (K,) -> y_s = W_s @ x [+ bias_s] [+ res_s] for s = 0..2 (od_s = 0: unused);
-// grid = the blocks of the three weights, MV_WARPS*MV_RPW rows each, in order
+// One warp's (or, split, one block's) MV_RPW rows from row0 of W (od, K) into y.
 template <int QT>
-__global__ void __launch_bounds__(MV_WARPS * 32, MV_MIN_BLOCKS)
-matvec(const i8* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs, int K,
-       const u8* __restrict__ W0, const float* __restrict__ bias0, const float* res0, float* y0, int od0,
-       const u8* __restrict__ W1, const float* __restrict__ bias1, const float* res1, float* y1, int od1,
-       const u8* __restrict__ W2, const float* __restrict__ bias2, const float* res2, float* y2, int od2) {
-    constexpr int PER_BLOCK = MV_WARPS * MV_RPW;
-    const int nb0 = (od0 + PER_BLOCK - 1) / PER_BLOCK, nb1 = (od1 + PER_BLOCK - 1) / PER_BLOCK;
-    int blk = blockIdx.x;
-    const u8* W = W0; const float* bias = bias0; const float* res = res0; float* y = y0; int od = od0;
-    if (blk >= nb0 + nb1) { blk -= nb0 + nb1; W = W2; bias = bias2; res = res2; y = y2; od = od2; }
-    else if (blk >= nb0) { blk -= nb0; W = W1; bias = bias1; res = res1; y = y1; od = od1; }
-    const int row0 = (blk * MV_WARPS + threadIdx.x / 32) * MV_RPW, lane = threadIdx.x % 32;
-    if (row0 >= od) return;
+__device__ __forceinline__ void rows_out(const u8* __restrict__ W, const float* __restrict__ bias,
+                                         const float* res, float* y, int od, int row0, int K,
+                                         const i8* __restrict__ xq, const float* __restrict__ xd,
+                                         const float* __restrict__ xs, int split, int warp, int lane,
+                                         float (&s_part)[MV_WARPS][MV_RPW]) {
     const u8* rows[MV_RPW];
 #pragma unroll
     for (int r = 0; r < MV_RPW; ++r) rows[r] = W + (size_t)min(row0 + r, od - 1) * row_bytes<QT>(K);
     float acc[MV_RPW];
-    dot_rows<QT, MV_RPW>(rows, xq, xd, xs, K, lane, acc);
+    dot_rows<QT, MV_RPW>(rows, xq, xd, xs, K, lane, warp % split, split, acc);
+#pragma unroll
+    for (int r = 0; r < MV_RPW; ++r) acc[r] = warp_sum(acc[r]);
+    if (split > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < MV_RPW; ++r) s_part[warp][r] = acc[r];
+        }
+        __syncthreads();
+        if (warp != 0) return;
+#pragma unroll
+        for (int r = 0; r < MV_RPW; ++r) {
+            float v = s_part[0][r];
+            for (int w = 1; w < split; ++w) v += s_part[w][r];
+            acc[r] = v;
+        }
+    }
 #pragma unroll
     for (int r = 0; r < MV_RPW; ++r) {
-        const float v = warp_sum(acc[r]);
         if (lane == 0 && row0 + r < od) {
-            float o = bias ? v + bias[row0 + r] : v;
+            float o = bias ? acc[r] + bias[row0 + r] : acc[r];
             if (res) o = res[row0 + r] + o;
             y[row0 + r] = o;
         }
     }
 }
 
+// q8_1 x (K,) -> y_s = W_s @ x [+ bias_s] [+ res_s] for s = 0..2 (od_s = 0: unused);
+// weight s is of type QB where bit s of qb_mask is set, else QA (a q6_K attn_v
+// beside q4_K q and k: one launch).
+// split 1: each warp owns MV_RPW rows over all of K, a block MV_WARPS*MV_RPW rows;
+// split MV_WARPS: the block's warps share MV_RPW rows, warp w taking every
+// MV_WARPS-th slice of K, and their sums meet in shared memory (in warp order).
+// grid = the blocks of the three weights, in order.
+template <int QA, int QB>
+__global__ void __launch_bounds__(MV_WARPS * 32, MV_MIN_BLOCKS)
+matvec(const i8* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs, int K,
+       int split, int qb_mask,
+       const u8* __restrict__ W0, const float* __restrict__ bias0, const float* res0, float* y0, int od0,
+       const u8* __restrict__ W1, const float* __restrict__ bias1, const float* res1, float* y1, int od1,
+       const u8* __restrict__ W2, const float* __restrict__ bias2, const float* res2, float* y2, int od2) {
+    __shared__ float s_part[MV_WARPS][MV_RPW];
+    const int per_block = MV_WARPS * MV_RPW / split;
+    const int nb0 = (od0 + per_block - 1) / per_block, nb1 = (od1 + per_block - 1) / per_block;
+    int blk = blockIdx.x, seg = 0;
+    const u8* W = W0; const float* bias = bias0; const float* res = res0; float* y = y0; int od = od0;
+    if (blk >= nb0 + nb1) { blk -= nb0 + nb1; seg = 2; W = W2; bias = bias2; res = res2; y = y2; od = od2; }
+    else if (blk >= nb0) { blk -= nb0; seg = 1; W = W1; bias = bias1; res = res1; y = y1; od = od1; }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row0 = (blk * (MV_WARPS / split) + warp / split) * MV_RPW;
+    if (row0 >= od) return;                    // split > 1: the whole block
+    if ((qb_mask >> seg) & 1)
+        rows_out<QB>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
+    else
+        rows_out<QA>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
+}
+
 #ifdef MINFER_SASS_INSTANTIATE
-#define MINFER_MV(QT)                                                                           \
-    template __global__ void matvec<QT>(const i8*, const float*, const float*, int,             \
+#define MINFER_MV(QA, QB)                                                                       \
+    template __global__ void matvec<QA, QB>(const i8*, const float*, const float*, int, int, int, \
         const u8*, const float*, const float*, float*, int,                                     \
         const u8*, const float*, const float*, float*, int,                                     \
         const u8*, const float*, const float*, float*, int);
-MINFER_MV(12) MINFER_MV(14) MINFER_MV(2) MINFER_MV(3) MINFER_MV(6) MINFER_MV(7) MINFER_MV(8) MINFER_MV(13)
+MINFER_MV(12, 12) MINFER_MV(14, 14) MINFER_MV(12, 14) MINFER_MV(2, 2) MINFER_MV(3, 3) MINFER_MV(6, 6)
+MINFER_MV(7, 7) MINFER_MV(8, 8) MINFER_MV(13, 13)
 #endif

@@ -114,10 +114,12 @@ def bench_matvec(cp) -> None:
     d, kv, ff = 3584, 512, 18944
     xq8 = quantize_q8_1(cp.random.standard_normal((1, d), dtype=cp.float32))
     wq, wk = (random_weight(cp, QT.Q4_K, n, d).reshape(n, -1) for n in (d, kv))
-    ms = graph_ms(cp, lambda: matvecs(QT.Q4_K, *xq8, [(wq, d, None, None, None), (wk, kv, None, None, None)]))
+    ms = graph_ms(cp, lambda: matvecs(*xq8, [(QT.Q4_K, wq, d, None, None, None),
+                                                 (QT.Q4_K, wk, kv, None, None, None)]))
     _row("attn_q+k (1 launch)", f"{d}->{d}+{kv}", ms, wq.nbytes + wk.nbytes, copy)
     wg, wu = (random_weight(cp, QT.Q4_K, ff, d).reshape(ff, -1) for _ in range(2))
-    ms = graph_ms(cp, lambda: matvecs(QT.Q4_K, *xq8, [(wg, ff, None, None, None), (wu, ff, None, None, None)]))
+    ms = graph_ms(cp, lambda: matvecs(*xq8, [(QT.Q4_K, wg, ff, None, None, None),
+                                                 (QT.Q4_K, wu, ff, None, None, None)]))
     _row("ffn_gate+up (1 launch)", f"{d}->2x{ff}", ms, wg.nbytes + wu.nbytes, copy)
 
 

@@ -144,11 +144,42 @@ def test_captured_decode_equals_eager_and_counts(engine):
     graphed = _greedy_ids(engine, prompt, 24, cache)
     c = be.counters()
     assert graphed == eager
-    assert c["graph replays"] == 22          # 23 steps: eager, capture + replay, 21 replays
+    # 23 steps: eager, capture + replay, 21 replays, and the step queued ahead of the last
+    assert c["graph replays"] == 23
     n_layer = engine.cfg.n_layer
     assert c["q4k_mv"] + c["q6k_mv"] >= 23 * 7 * n_layer   # every step's matvecs are counted
     (key,) = [k for k in cache.graphs if k[0] == ("decode",)]
     assert key[1] == be.settings
+
+
+def _forced_ids(engine, prompt, forced: dict, n: int, cache) -> list[int]:
+    """Greedy steps, except that at step i the token forced[i] is fed instead of the
+    model's (teacher forcing): the ids the model returns at each step."""
+    m = engine.model
+    tok = int(np.argmax(m.forward(prompt, 0, cache)[-1]))
+    out, pos = [tok], len(prompt)
+    for i in range(n - 1):
+        tok = m.decode_greedy(forced.get(i, tok), pos, cache)
+        out.append(tok)
+        pos += 1
+    return out
+
+
+def test_step_queued_ahead_is_dropped_when_the_caller_feeds_another_token(engine):
+    """The step queued ahead reads the device's own token; where the caller feeds a
+    different one (or jumps to another position), a fresh step must run: the ids
+    equal an all-eager run with the same forced tokens."""
+    be = engine.backend
+    prompt = np.random.default_rng(4).integers(0, engine.cfg.vocab_size, 9).astype(np.int32)
+    forced = {3: 7, 4: 11, 9: 5}
+    with be.using(graphs=False):
+        eager = _forced_ids(engine, prompt, forced, 16, engine.new_cache())
+    cache = engine.new_cache()
+    assert _forced_ids(engine, prompt, forced, 16, cache) == eager
+    assert _forced_ids(engine, prompt, forced, 16, cache) == eager       # same cache: a new prompt
+    end = engine.new_cache(len(prompt) + 6)                              # nothing queued past the end
+    assert _forced_ids(engine, prompt, {}, 7, end) == _greedy_ids(engine, prompt, 7, engine.new_cache())
+    assert end.ahead is None
 
 
 def test_decode_rejects_bad_token_and_position(engine):

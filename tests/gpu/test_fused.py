@@ -65,6 +65,35 @@ def test_rmsnorm_q8_1_equals_norm_then_quantize(cp, T, K):
     _q8_equal(cp, got, want)
 
 
+def test_matvecs_q4k_q4k_q6k_in_one_launch_equal_their_own_launches(cp):
+    """q and k q4_K beside a q6_K attn_v (the 7B's layers): the mixed launch gives
+    each weight the bits of its own launch."""
+    from minfer.backend.cuda import int8
+    from minfer.backend.cuda.matvec import matvec, matvecs
+    rng = np.random.default_rng(9)
+    K, segs = 1024, ((QT.Q4_K, 300), (QT.Q4_K, 40), (QT.Q6_K, 40))
+    ws = [cp.asarray(_raw(t, od, K, i)) for i, (t, od) in enumerate(segs)]
+    bias = cp.asarray(rng.standard_normal(40).astype(np.float32))
+    q8 = int8.quantize_q8_1(cp.asarray(_x(rng, 1, K)))
+    for order in ((0, 1, 2), (2, 0, 1)):
+        got = matvecs(*q8, [(segs[i][0], ws[i], segs[i][1], bias if i == 2 else None, None, None) for i in order])
+        for y, i in zip(got, order):
+            want = matvec(segs[i][0], *q8, ws[i], segs[i][1], bias if i == 2 else None)
+            assert _same(cp.asnumpy(y), cp.asnumpy(want)), (order, i)
+
+
+def test_matvecs_refuses_weights_that_split_differently(cp):
+    from minfer.backend.cuda import int8
+    from minfer.backend.cuda.matvec import SPLIT_BELOW_ROWS, matvecs
+    small, big = (cp.asarray(_raw(QT.Q8_0, n, 64, 0)) for n in (32, SPLIT_BELOW_ROWS))
+    q8 = int8.quantize_q8_1(cp.zeros((1, 64), cp.float32))
+    with pytest.raises(ValueError, match="split K differently"):
+        matvecs(*q8, [(QT.Q8_0, small, 32, None, None, None),
+                      (QT.Q8_0, big, SPLIT_BELOW_ROWS, None, None, None)])
+    with pytest.raises(ValueError, match="cannot share"):
+        matvecs(*q8, [(QT.Q8_0, small, 32, None, None, None), (QT.Q4_1, small, 32, None, None, None)])
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matvecs_three_weights_equal_three_launches(cp, qtype):
     from minfer.backend.cuda import int8, ops
@@ -78,7 +107,7 @@ def test_matvecs_three_weights_equal_three_launches(cp, qtype):
     res = [None, None, cp.asarray(rng.standard_normal((1, ods[2])).astype(np.float32))]
     q8 = int8.quantize_q8_1(cp.asarray(_x(rng, 1, K)))
     outs = [cp.full((1, od), cp.nan, cp.float32) for od in ods]
-    got = matvecs(qtype, *q8, list(zip(ws, ods, biases, res, outs)))
+    got = matvecs(*q8, [(qtype,) + seg for seg in zip(ws, ods, biases, res, outs)])
     assert all(g is o for g, o in zip(got, outs))
     for i, od in enumerate(ods):
         want = matvec(qtype, *q8, ws[i], od, biases[i])
@@ -120,3 +149,29 @@ def test_rope_store_kv_equals_rope_then_store(cp, T, pos, on_device, neox):
     assert _same(cp.asnumpy(q_out), cp.asnumpy(q_w))
     for got, want in ((kc, kc_w), (vc, vc_w)):                  # NaN rows match NaN rows bytewise
         assert _same(cp.asnumpy(got), cp.asnumpy(want))
+
+
+@pytest.mark.parametrize("pos,n_ctx", [(0, 70), (63, 70), (64, 200), (130, 131)])
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
+def test_decode_attention_with_rope_equals_rope_store_then_attention(cp, pos, n_ctx, neox):
+    """RoPE and the store of the new row inside the decode attention: the same output
+    and the same cache bytes as rope_store_kv_f16 then decode_attention (the row
+    at pos lands in the chunk's first, middle or last key)."""
+    from minfer.backend.cuda import attention, ops
+    from minfer.backend.cuda.launch import DevicePos
+    rng = np.random.default_rng([pos, n_ctx, neox])
+    n_head, n_kv, hd = 28, 4, 128
+    table = cp.asarray(ops.rope_table(n_ctx, hd, 1e6))
+    q, k, v = (cp.asarray((rng.standard_normal((1, h, hd)) * 2).astype(np.float32))
+               for h in (n_head, n_kv, n_kv))
+    kc0, vc0 = (rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float16) for _ in range(2))
+    kc0[pos + 1:] = vc0[pos + 1:] = np.nan                      # never read
+    p = DevicePos(pos, cp.asarray(np.array([pos], np.int32)))
+    kc_w, vc_w = cp.asarray(kc0), cp.asarray(vc0)
+    kc, vc = kc_w.copy(), vc_w.copy()
+    qr = attention.rope_store_kv_f16(q, k, v, kc_w, vc_w, table, p, neox)
+    want = attention.decode_attention(qr, kc_w, vc_w, p)
+    got = attention.decode_attention(q, kc, vc, p, new_kv=(k, v), cos_sin=table, neox=neox)
+    assert np.isfinite(cp.asnumpy(got)).all()
+    assert _same(cp.asnumpy(got), cp.asnumpy(want))
+    assert _same(cp.asnumpy(kc), cp.asnumpy(kc_w)) and _same(cp.asnumpy(vc), cp.asnumpy(vc_w))

@@ -4,7 +4,9 @@
     store_kv_f16     kernels/decode_attn.cu k, v f32 -> f16 cache rows at a host or device position
     flash_attention  kernels/flash_attn.cu  f16 cache, tensor-core mma.m16n8k16 (head dim 128)
     decode_attention kernels/decode_attn.cu one query row over the f16 cache, split over the
-                                            keys (flash-decoding), position from device memory
+                                            keys in chunks (flash-decoding), position from
+                                            device memory; optionally RoPE and the store of
+                                            the new row in the same launch
     rope_store_kv_f16 kernels/decode_attn.cu RoPE on q and k and the f16 store of k, v: one launch
     attention_f16    store_kv_f16, then attend_f16
     attend_f16       flash_attention (T > 1) or decode_attention (T == 1) over a filled cache
@@ -22,8 +24,8 @@ import numpy as np
 
 from ...errors import MinferError
 from .f16 import cast_f16
-from .launch import (DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, cp, kernel, out_array,
-                     pos_args, pos_value, scratch_view)
+from .launch import (NULL, DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, cp, kernel,
+                     out_array, pos_args, pos_value, scratch_view)
 from .nvrtc import K
 
 FA_HD = K["FA_HD"]
@@ -106,9 +108,12 @@ def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
     return out
 
 
-def decode_attention(q, k_cache, v_cache, pos, out=None):
+def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=None, neox: bool = True):
     """One query row: q (1, n_head, 128) f32; k_cache, v_cache (n_ctx, n_kv, 128) f16
-    holding positions 0..pos (an int or a launch.DevicePos) -> out (1, n_head*128) f32."""
+    holding positions 0..pos (an int or a launch.DevicePos) -> out (1, n_head*128) f32.
+    With new_kv = (k, v) (1, n_kv, 128) f32 and the RoPE table cos_sin: q and k come
+    un-rotated, and the kernel rotates them and stores k and v at row pos itself
+    (the values of rope_store_kv_f16 then decode_attention, in one launch fewer)."""
     check(q, "decode_attention q", cp.float32, ndim=3, align16=True)
     if q.shape[0] != 1 or q.shape[2] != FA_HD:
         raise ValueError(f"decode_attention: q has shape {q.shape}, expected (1, n_head, {FA_HD})")
@@ -120,13 +125,24 @@ def decode_attention(q, k_cache, v_cache, pos, out=None):
     if n_head // n_kv > DEC_MAX_G:
         raise MinferError(f"{n_head // n_kv} query heads per KV head: the decode attention "
                           f"kernel takes at most {DEC_MAX_G}")
+    rope_args = (NULL, NULL, NULL, np.int32(0))
+    if new_kv is not None:
+        for a, nm in zip(new_kv, "kv"):
+            check(a, f"decode_attention new {nm}", cp.float32, (1, n_kv, FA_HD), align16=True)
+        check(cos_sin, "decode_attention cos_sin", cp.float32, ndim=3)
+        if cos_sin.shape[1:] != (FA_HD // 2, 2) or pos_value(pos) >= cos_sin.shape[0]:
+            raise ValueError(f"decode_attention: RoPE table {cos_sin.shape} does not cover position "
+                             f"{pos_value(pos)} at head dim {FA_HD}")
+        rope_args = (*new_kv, cos_sin, np.int32(bool(neox)))
     out = out_array(out, (1, n_head * FA_HD), "decode_attention out", align16=True)
-    part = cp.empty((n_head, K["DEC_SPLITS"], FA_HD + 2), cp.float32)   # (n_head, splits, 130)
+    n_split = blocks_1d(n_ctx, K["DEC_CHUNK"])                          # the whole cache
+    part = cp.empty((n_head, n_split, FA_HD + 2), cp.float32)           # (n_head, splits, 130)
     kernel("decode_attn.cu", "attn_decode_f16")(
-        (n_kv, K["DEC_SPLITS"]), (32 * K["DEC_WARPS"],),
-        (q, k_cache, v_cache, part, np.int32(n_head), np.int32(n_kv), *pos_args(pos),
-         np.float32(_SCALE_LOG2)))
-    kernel("decode_attn.cu", "attn_decode_combine")((n_head,), (FA_HD,), (part, out))
+        (n_kv, n_split), (32 * K["DEC_WARPS"],),
+        (q, k_cache, v_cache, part, np.int32(n_head), np.int32(n_kv), np.int32(n_split), *pos_args(pos),
+         np.float32(_SCALE_LOG2), *rope_args))
+    kernel("decode_attn.cu", "attn_decode_combine")((n_head,), (FA_HD,),
+                                                    (part, out, np.int32(n_split), *pos_args(pos)))
     return out
 
 

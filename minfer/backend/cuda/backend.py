@@ -21,9 +21,10 @@ from ...errors import MinferError
 from ..base import Backend, Timer
 from . import attention, ops
 from .gemm import Gemms
+from .decode import DecodeRunner
 from .graphs import GraphRunner
 from .int8 import dequant_rows
-from .launch import DevicePos, cp, is_oom, pos_value, require_cupy
+from .launch import cp, is_oom, pos_value, require_cupy
 from .settings import CudaSettings
 from .weights import WeightStore, expected_plane_bytes, plane_check
 
@@ -40,6 +41,8 @@ class CudaCache:
         self.k = cp.zeros(shape, dtype=dtype)   # (n_layer, n_ctx, n_kv, hd)
         self.v = cp.zeros(shape, dtype=dtype)   # (n_layer, n_ctx, n_kv, hd)
         self.graphs: dict = {}                  # key -> graphs.Graph, or SEEN after a first eager run
+        self.ahead = None                       # decode.Queued: the decode step queued ahead
+        self.io = None                          # decode.DecodeIO: pinned buffers of the decode steps
 
     @staticmethod
     def layout(cfg: ModelConfig, n_ctx: int) -> tuple[tuple[int, ...], object]:
@@ -92,6 +95,7 @@ class CUDABackend(Backend):
         self.store = WeightStore(self._settings)
         self.gemm = Gemms(self.store, self._settings)
         self.graphs = GraphRunner(self.gemm.counters, self._graph_keep_alive)
+        self.decoder = DecodeRunner(self.graphs, lambda: self._settings.graphs and not self.graphs.failed)
         self._cos_sin = None                 # (n_pos, hd/2, 2) f32 on the device
 
     # --- settings --------------------------------------------------------------
@@ -190,15 +194,19 @@ class CUDABackend(Backend):
             raise ValueError(f"rope: head dim {x.shape[-1]}, model has {self.cfg.head_dim}")
 
     def rope_attention(self, q, k, v, cache, layer: int, pos0, out=None):
-        """The f16 cache (head dim 128): RoPE and the KV store in one launch, then
-        attention over the cache; the f32 cache: rope, rope, attention."""
+        """The f16 cache (head dim 128): one decode row rotates, stores and attends in
+        one kernel; a prompt runs RoPE with the KV store in one launch, then the
+        flash attention. The f32 cache: rope, rope, attention."""
         if cache.k.dtype != cp.float16:
             return self.attention(self.rope(q, pos0), self.rope(k, pos0), v, cache, layer, pos0, out=out)
         self._check_heads(q, k)
         self._rope_check(q, pos0)
-        q = attention.rope_store_kv_f16(q, k, v, cache.k[layer], cache.v[layer], self._cos_sin, pos0,
-                                        self.cfg.rope_neox)
-        return attention.attend_f16(q, cache.k[layer], cache.v[layer], pos0, out=out)
+        kc, vc = cache.k[layer], cache.v[layer]
+        if q.shape[0] == 1:
+            return attention.decode_attention(q, kc, vc, pos0, out, new_kv=(k, v), cos_sin=self._cos_sin,
+                                              neox=self.cfg.rope_neox)
+        q = attention.rope_store_kv_f16(q, k, v, kc, vc, self._cos_sin, pos0, self.cfg.rope_neox)
+        return attention.attend_f16(q, kc, vc, pos0, out=out)
 
     def _check_heads(self, q, k) -> None:
         cfg = self.cfg
@@ -239,22 +247,14 @@ class CUDABackend(Backend):
         return self.graphs.run(cache.graphs, (key, self._settings), fn, x)
 
     def decode(self, cache, step, token: int, pos: int) -> tuple[int, bool]:
-        """step(token, pos) on the device, with token and position in a device buffer
-        that the kernels read: captured into a CUDA graph per cache on its second
-        use and replayed from then on (graphs.py), so one step costs one launch
-        and two tiny copies. The f32 KV cache (head dims other than 128) runs eagerly."""
-        inp = cp.asarray(np.array([token, pos], dtype=np.int32))                # (2,)
-
-        def fn(x):
-            return step(x[0:1], DevicePos(pos, x[1:2]))
+        """step(token, pos) on the device, token and position in a device buffer that
+        the kernels read: a CUDA graph per cache, replayed one step ahead of the host
+        (decode.py). The f32 KV cache (head dims other than 128) runs eagerly."""
         if cache.k.dtype != cp.float16:          # the f32 attention takes host positions
-            out = step(inp[0:1], pos)
-        elif not self._settings.graphs or self.graphs.failed:
-            out = fn(inp)
-        else:
-            out = self.graphs.run(cache.graphs, (("decode",), self._settings), fn, inp)
-        nxt, finite = (int(v) for v in out.get())
-        return nxt, bool(finite)
+            out = step(cp.asarray(np.array([token], dtype=np.int32)), pos)
+            nxt, finite = (int(v) for v in out.get())
+            return nxt, bool(finite)
+        return self.decoder.decode(cache, step, token, pos, (("decode",), self._settings))
 
     def _graph_keep_alive(self) -> tuple:
         return (self.gemm.scratch(), self._cos_sin)

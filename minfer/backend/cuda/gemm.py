@@ -193,21 +193,25 @@ class Gemms:
         return all(w.n_in == x.shape[1] and self.path(1, w).engine == "matvec" for w in ws)
 
     def _matvecs(self, q8, ws, biases, residuals=None, outs=None) -> list:
-        """q8_1 x (1, K) @ each weight -> [y (1, n_out)], the weights of one type in one
-        launch (up to matvec.MAX_SEGMENTS), each launch's weights counted."""
+        """q8_1 x (1, K) @ each weight -> [y (1, n_out)]: weights of one K split whose
+        types can share a launch go in one (up to matvec.MAX_SEGMENTS); every weight
+        counted."""
         n = len(ws)
         residuals, outs = residuals or (None,) * n, outs or (None,) * n
+        launches: list[list[int]] = []
+        for i, w in enumerate(ws):
+            fits = [g for g in launches if len(g) < matvec.MAX_SEGMENTS
+                    and matvec.split_of(ws[g[0]].n_out) == matvec.split_of(w.n_out)
+                    and matvec.can_share([ws[j].qtype for j in g] + [w.qtype])]
+            fits[0].append(i) if fits else launches.append([i])
         ys: list = [None] * n
-        for qtype in dict.fromkeys(w.qtype for w in ws):                 # first-seen order
-            idx = [i for i, w in enumerate(ws) if w.qtype == qtype]
-            for c in range(0, len(idx), matvec.MAX_SEGMENTS):
-                part = idx[c:c + matvec.MAX_SEGMENTS]
-                for i in part:
-                    self.counters.count(self.path(1, ws[i]))
-                out = matvec.matvecs(qtype, *q8, [(ws[i].data, ws[i].n_out, biases[i], residuals[i], outs[i])
-                                                  for i in part])
-                for i, y in zip(part, out):
-                    ys[i] = y
+        for g in launches:
+            for i in g:
+                self.counters.count(self.path(1, ws[i]))
+            out = matvec.matvecs(*q8, [(ws[i].qtype, ws[i].data, ws[i].n_out, biases[i], residuals[i], outs[i])
+                                       for i in g])
+            for i, y in zip(g, out):
+                ys[i] = y
         return ys
 
     def ffn_fused(self, T: int, gate: GpuWeight, up: GpuWeight, down: GpuWeight) -> bool:

@@ -1,6 +1,7 @@
 """The decode (one-row) matvecs on q8_1 activations, kernels/matvec.cu:
 
-    matvecs     up to three weights of one type that read the same x, one launch:
+    matvecs     up to three weights that read the same x, one launch (one type, or
+                q4_K beside q6_K):
                 y_i = W_i x [+ bias_i] [+ res_i]  (q/k/v, gate/up; the residual add
                 of o and down)
     matvec      one weight (the same kernel)
@@ -18,26 +19,41 @@ from .launch import NULL, blocks_1d, check, cp, kernel, or_null, out_array
 from .nvrtc import K
 
 MV_TYPES = (QT.Q4_K, QT.Q6_K) + Q32_TYPES
+MIXED = (QT.Q4_K, QT.Q6_K)                   # the one pair of types one launch may mix
 MAX_SEGMENTS = 3                              # weights per matvecs launch
 ROWS_PER_BLOCK = K["MV_WARPS"] * K["MV_RPW"]
-_INSTANCES = tuple(f"matvec<{int(t)}>" for t in MV_TYPES)
+# Below this many rows a weight's blocks share their rows among their warps (each
+# warp a part of K): 3,584 rows at one warp per four rows is 224 blocks, under
+# two per SM, and each warp walked all of K alone (the 7B's ffn_down, 18,944 wide,
+# ran at half the copy bandwidth).
+SPLIT_BELOW_ROWS = 8192
+_INSTANCES = tuple(f"matvec<{int(t)}, {int(t)}>" for t in MV_TYPES) + (f"matvec<{int(MIXED[0])}, {int(MIXED[1])}>",)
 
 
-def _kernel(qtype):
-    return kernel("matvec.cu", f"matvec<{int(QT(qtype))}>", _INSTANCES)
+def split_of(od: int) -> int:
+    """The K split of a weight of od rows (kernels/matvec.cu): a row's bits depend
+    on it, so it is a function of the weight alone."""
+    return K["MV_WARPS"] if od < SPLIT_BELOW_ROWS else 1
+
+
+def can_share(qtypes) -> bool:
+    """Can weights of these types go in one launch?"""
+    kinds = set(map(QT, qtypes))
+    return len(kinds) == 1 or kinds == set(MIXED)
 
 
 def _row_bytes(qtype, n: int) -> int:
     return n // QK_K * BLOCK_BYTES[qtype] if qtype in BLOCK_BYTES else q32_row_bytes(qtype, n)
 
 
-def _check_x(what: str, qtype, xq, xd, xs) -> int:
-    """q8_1 x (1, K) -> K (a whole number of the type's blocks)"""
-    if qtype not in MV_TYPES:
-        raise ValueError(f"{what}: no matvec for {QT(qtype).name}")
+def _check_x(what: str, qtypes, xq, xd, xs) -> int:
+    """q8_1 x (1, K) -> K (a whole number of every type's blocks)"""
+    for t in qtypes:
+        if t not in MV_TYPES:
+            raise ValueError(f"{what}: no matvec for {QT(t).name}")
     check(xq, f"{what} xq", cp.int8, ndim=2, align16=True)
     n = xq.shape[1]
-    block = GGML_QUANT_SIZES[qtype][0]
+    block = max(GGML_QUANT_SIZES[t][0] for t in qtypes)
     if xq.shape[0] != 1 or n % block:
         raise ValueError(f"{what}: x has shape {xq.shape}, expected (1, K), K a multiple of {block}")
     check(xd, f"{what} xd", cp.float32, (1, n // 32))
@@ -45,17 +61,27 @@ def _check_x(what: str, qtype, xq, xd, xs) -> int:
     return n
 
 
-def matvecs(qtype, xq, xd, xs, segments) -> list:
-    """segments: up to three (w, od, bias, res, y) of weights of type qtype, w (od, K)
-    device bytes; bias (od,) or None; res (1, od) or None (added last: the residual
-    stream); y (1, od) or None (allocated) -> [y (1, od) f32 each], one launch."""
-    qtype = QT(qtype)
-    n = _check_x("matvecs", qtype, xq, xd, xs)
+def matvecs(xq, xd, xs, segments) -> list:
+    """segments: up to three (qtype, w, od, bias, res, y) of one split_of(od) and
+    types that can_share; w (od, K) device bytes; bias (od,) or None; res (1, od)
+    or None (added last: the residual stream); y (1, od) or None (allocated)
+    -> [y (1, od) f32 each], one launch."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"matvecs: {len(segments)} weights, 1..{MAX_SEGMENTS} per launch")
+    qtypes = [QT(seg[0]) for seg in segments]
+    n = _check_x("matvecs", qtypes, xq, xd, xs)
+    if not can_share(qtypes):
+        raise ValueError(f"matvecs: {[t.name for t in qtypes]} cannot share a launch")
+    splits = {split_of(seg[2]) for seg in segments}
+    if len(splits) != 1:
+        raise ValueError(f"matvecs: weights of {[seg[2] for seg in segments]} rows split K differently")
+    split = splits.pop()
+    qa = qtypes[0] if len(set(qtypes)) == 1 else MIXED[0]
+    qb = qtypes[0] if len(set(qtypes)) == 1 else MIXED[1]
+    mask = sum(1 << i for i, t in enumerate(qtypes) if t != qa)
     args, ys, blocks = [], [], 0
-    for i, (w, od, bias, res, y) in enumerate(segments):
-        check(w, f"matvecs w{i}", cp.uint8, (od, _row_bytes(qtype, n)), align16=True)
+    for i, (qtype, w, od, bias, res, y) in enumerate(segments):
+        check(w, f"matvecs w{i}", cp.uint8, (od, _row_bytes(QT(qtype), n)), align16=True)
         if bias is not None:
             check(bias, f"matvecs bias{i}", cp.float32, (od,))
         if res is not None:
@@ -63,14 +89,14 @@ def matvecs(qtype, xq, xd, xs, segments) -> list:
         y = out_array(y, (1, od), f"matvecs y{i}")                        # (1, od)
         args += [w, or_null(bias), or_null(res), y, np.int32(od)]
         ys.append(y)
-        blocks += blocks_1d(od, ROWS_PER_BLOCK)
+        blocks += blocks_1d(od, ROWS_PER_BLOCK // split)
     args += [NULL, NULL, NULL, NULL, np.int32(0)] * (MAX_SEGMENTS - len(segments))
     if blocks:
-        _kernel(qtype)((blocks,), (K["MV_WARPS"] * 32,),
-                                 (xq, xd, xs, np.int32(n), *args))
+        kernel("matvec.cu", f"matvec<{int(qa)}, {int(qb)}>", _INSTANCES)(
+            (blocks,), (K["MV_WARPS"] * 32,), (xq, xd, xs, np.int32(n), np.int32(split), np.int32(mask), *args))
     return ys
 
 
 def matvec(qtype, xq, xd, xs, w, od: int, bias=None, y=None, res=None):
     """q8_1 x (1, K) @ W (od, K)^T [+ bias] [+ res] -> y (1, od) f32"""
-    return matvecs(qtype, xq, xd, xs, [(w, od, bias, res, y)])[0]
+    return matvecs(xq, xd, xs, [(qtype, w, od, bias, res, y)])[0]

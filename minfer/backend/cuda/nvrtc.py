@@ -39,8 +39,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MV_RPW": 4,
     "MV_WARPS": 4,
     "MV_MIN_BLOCKS": 6,
-    # rmsnorm (norm.cu): one block per row
-    "NORM_THREADS": 256,
+    # rmsnorm (norm.cu): one block per row; a decode step's norms are one row, whose
+    # time is the latency of the per-thread loops: 1024 threads make them short
+    "NORM_THREADS": 1024,
     # f32 attention (attention.cu): ATT_BQ query rows per block, keys in tiles of ATT_BK
     "ATT_BQ": 16,
     "ATT_BK": 32,
@@ -50,10 +51,10 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "FA_BQ": 64,
     "FA_BK": 64,
     "FA_WARPS": 4,
-    # one-query (decode) attention (decode_attn.cu): the keys split DEC_SPLITS ways
-    # per KV head, DEC_WARPS warps per split (DEC_WARPS * 32 == FA_HD), up to
-    # DEC_MAX_G query heads per KV head
-    "DEC_SPLITS": 32,
+    # one-query (decode) attention (decode_attn.cu): the keys split into chunks of
+    # DEC_CHUNK per KV head, DEC_WARPS warps per chunk (DEC_WARPS * 32 == FA_HD), up
+    # to DEC_MAX_G query heads per KV head
+    "DEC_CHUNK": 64,
     "DEC_WARPS": 4,
     "DEC_MAX_G": 8,
     # greedy selection (argmax.cu): one block

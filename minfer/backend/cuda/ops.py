@@ -5,6 +5,7 @@
     swiglu   kernels/elementwise.cu  grid-stride, one element per thread
     add      kernels/elementwise.cu  grid-stride (residual add; out may be a)
     argmax   kernels/argmax.cu       greedy id and an all-finite flag, one block
+    advance_feed  kernels/argmax.cu  a decode step's [token, pos] input <- [its id, pos + 1]
 """
 from __future__ import annotations
 
@@ -82,3 +83,11 @@ def argmax(logits, out=None):
     out = out_array(out, (2,), "argmax out", cp.int32)
     kernel("argmax.cu", "argmax_f32")((1,), (K["ARGMAX_THREADS"],), (logits, np.int32(logits.size), out))
     return out
+
+
+def advance_feed(out, feed) -> None:
+    """out int32 (2,) (argmax's [id, finite]), feed int32 (2,) [token, pos] on the
+    device -> feed = [id, pos + 1]: the input of the next decode step"""
+    check(out, "advance_feed out", cp.int32, (2,))
+    check(feed, "advance_feed feed", cp.int32, (2,))
+    kernel("argmax.cu", "advance_feed")((1,), (1,), (out, feed))

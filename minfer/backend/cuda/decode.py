@@ -1,0 +1,112 @@
+"""The greedy decode step on the device: one CUDA graph per KV cache, replayed one
+step ahead of the host.
+
+A step's input is a device buffer feed = [token, pos] that the kernels read (the
+embedding row, RoPE, the KV store, attention), and its last launch writes the
+step's greedy id into feed and advances pos (ops.advance_feed). So once a step is
+queued, the next one can be queued at once, before the host has read this one's
+token: while the host reads token n and hands it back, the device is already
+computing step n + 1 from the token it produced itself. The host-side work of a
+step (Python, the copies, the wait) then overlaps the device's instead of
+adding to it.
+
+The step queued ahead is used when the caller asks for exactly it (the token the
+device produced, at the next position), which is what greedy generation does;
+any other call (teacher forcing, a new prompt) queues a fresh step from the
+given token and position. The step queued ahead has then written the KV row of
+its position, which every later use of that row overwrites before reading it
+(a step stores its own row before attending; a prefill stores its rows first).
+No step is queued past the cache's last position.
+
+A cache's first step runs eagerly, its second is captured (graphs.py); from the
+third on, steps are replays. With graphs off (or after a failed capture) every
+step runs eagerly and nothing is queued ahead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import ops
+from .graphs import Graph
+from .launch import DevicePos, cp
+
+
+@dataclass(eq=False)
+class Queued:
+    """A step on the stream: the graph key and [token, pos] it reads, and the pinned
+    host slot its [id, finite] lands in once `done` has passed."""
+    key: object
+    token: int | None           # None until the id of the step before it is read
+    pos: int
+    host: np.ndarray            # pinned int32 (2,)
+    done: object                # cupy Event
+
+
+class DecodeIO:
+    """A cache's pinned host buffers: the [token, pos] a fresh step starts from, and
+    two result slots used in turn (the step queued ahead must not overwrite the
+    slot of the step being read). Each is rewritten only after the copy that used
+    it has been waited for."""
+
+    def __init__(self):
+        self._feed_mem = cp.cuda.alloc_pinned_memory(8)
+        self.feed = np.frombuffer(self._feed_mem, np.int32, 2)                  # (2,)
+        self._slot_mem = [cp.cuda.alloc_pinned_memory(8) for _ in range(2)]
+        self.slots = [np.frombuffer(m, np.int32, 2) for m in self._slot_mem]    # 2 x (2,)
+        self.turn = 0
+
+    def next_slot(self) -> np.ndarray:
+        self.turn ^= 1
+        return self.slots[self.turn]
+
+
+class DecodeRunner:
+    """decode(cache, step, token, pos, key) for one backend; `graphs` is its
+    GraphRunner, `use_graphs()` says whether graphs are on now."""
+
+    def __init__(self, graphs, use_graphs):
+        self.graphs, self.use_graphs = graphs, use_graphs
+
+    def decode(self, cache, step, token: int, pos: int, key) -> tuple[int, bool]:
+        """step(tokens (1,), DevicePos) -> argmax's [id, finite] on the device ->
+        (id, finite) of the step at (token, pos). cache: a CudaCache (its graphs,
+        ahead and io)."""
+        def fn(feed):
+            out = step(feed[0:1], DevicePos(pos, feed[1:2]))
+            ops.advance_feed(out, feed)
+            return out
+
+        rec = cache.graphs.get(key)
+        if not (self.use_graphs() and isinstance(rec, Graph)):      # eager, or the capture
+            cache.ahead = None
+            feed = cp.asarray(np.array([token, pos], dtype=np.int32))            # (2,)
+            out = self.graphs.run(cache.graphs, key, fn, feed) if self.use_graphs() else fn(feed)
+            nxt, finite = (int(v) for v in out.get())
+            return nxt, bool(finite)
+        io = cache.io = cache.io or DecodeIO()
+        stream = cp.cuda.get_current_stream()
+        ahead = cache.ahead
+        if ahead is not None and (ahead.key, ahead.token, ahead.pos) == (key, token, pos):
+            cur = ahead
+        else:
+            io.feed[:] = (token, pos)
+            rec.inp.set(io.feed, stream=stream)
+            cur = self._queue(rec, io, stream, key, token, pos)
+        cache.ahead = self._queue(rec, io, stream, key, None, pos + 1) if pos + 1 < cache.n_ctx else None
+        cur.done.synchronize()
+        nxt, finite = int(cur.host[0]), bool(cur.host[1])
+        if cache.ahead is not None:
+            cache.ahead.token = nxt
+        return nxt, finite
+
+    def _queue(self, rec: Graph, io: DecodeIO, stream, key, token: int | None, pos: int) -> Queued:
+        """Replay the step graph on its feed as it stands; its [id, finite] copied
+        to the next pinned slot without waiting."""
+        out = self.graphs.replay(rec)
+        host = io.next_slot()
+        out.get(stream=stream, out=host)
+        done = cp.cuda.Event()
+        done.record(stream)
+        return Queued(key, token, pos, host, done)
