@@ -18,6 +18,7 @@ scores, the softmax and the accumulators in f32.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -101,11 +102,19 @@ def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
     _check_heads(n_head, n_kv, T, pos0, n_ctx, "flash_attention")
     out = out_array(out, (T, n_head * FA_HD), "flash_attention out", align16=True)
     if T:
-        kernel("flash_attn.cu", "flash_attn_f16")(
-            (blocks_1d(T, K["FA_BQ"]), n_head), (32 * K["FA_WARPS"],),
+        _flash_kernel(cp.cuda.Device().id)(
+            (blocks_1d(T * (n_head // n_kv), K["FA_BQ"]), n_kv), (32 * K["FA_WARPS"],),
             (q16, k_cache, v_cache, out, np.int32(T), np.int32(n_head), np.int32(n_kv),
-             np.int32(pos0), np.float32(_SCALE_LOG2)))
+             np.int32(pos0), np.float32(_SCALE_LOG2)), shared_mem=K["FA_SMEM"])
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_kernel(device_id: int):
+    """The flash kernel, opted in (once per device) to its > 48 KB of dynamic shared memory."""
+    fn = kernel("flash_attn.cu", "flash_attn_f16")
+    fn.max_dynamic_shared_size_bytes = K["FA_SMEM"]
+    return fn
 
 
 def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=None, neox: bool = True):

@@ -46,11 +46,15 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "ATT_BQ": 16,
     "ATT_BK": 32,
     "ATT_WARPS": 4,
-    # f16 flash attention (flash_attn.cu): head dim, queries per block, keys per tile
+    # f16 flash attention (flash_attn.cu): head dim; FA_BQ flattened (token, query
+    # head) rows of one KV head per block, FA_WARPS warps of 32 rows, keys in tiles
+    # of FA_BK; FA_SMEM bytes of dynamic shared memory: Q and two stages of K and V,
+    # (FA_BQ + 4 * FA_BK) rows of FA_HD + 8 halves
     "FA_HD": 128,
-    "FA_BQ": 64,
+    "FA_BQ": 128,
     "FA_BK": 64,
     "FA_WARPS": 4,
+    "FA_SMEM": (128 + 4 * 64) * (128 + 8) * 2,
     # one-query (decode) attention (decode_attn.cu): the keys split into chunks of
     # DEC_CHUNK per KV head, DEC_WARPS warps per chunk (DEC_WARPS * 32 == FA_HD), up
     # to DEC_MAX_G query heads per KV head
