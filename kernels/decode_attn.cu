@@ -10,8 +10,9 @@
 // merges the splits. The grid covers the whole cache, so a step captured once
 // replays at any position; the blocks past the position exit at once. A fixed
 // chunk (not a fixed number of splits) keeps the work per warp short at long
-// contexts: 3,325 keys in 32 splits left each warp 26 keys in a row, latency-bound. q stays f32 (it is one row); K and V come from the f16
-// cache; scores, softmax and accumulators are f32.
+// contexts: 3,325 keys in 32 splits left each warp 26 keys in a row, latency-bound.
+// q stays f32 (it is one row); K and V come from the f16 cache; scores, softmax
+// and accumulators are f32.
 #include "common.cuh"
 
 #define DEC_THREADS (32 * DEC_WARPS)

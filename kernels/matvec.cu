@@ -19,9 +19,9 @@
 // Weights are read through the non-coherent cache (__ldg): the weight pointer is
 // picked per block, so __restrict__ alone no longer tells the compiler.
 // MV_MIN_BLOCKS resident blocks per SM cap the registers at 80: the q6_K kernel
-// otherwise takes 84, which the allocation granule rounds to 88, and only five
-// blocks fit; the sixth block's warps took the 7B's q6_K ffn_down from 51 to 27 us
-// (docs/PERF.md 6.10).
+// otherwise took 84, which the allocation granule rounds to 88, so only five
+// blocks fit; with six the 7B's q6_K ffn_down went from 51 to 27 us (docs/PERF.md
+// 6.10).
 // Rows past od are clamped to the last row (computed, never written), so the loop
 // bodies have no branch between their loads. A row's arithmetic depends only on
 // the split, which the wrapper picks from the weight's own row count (few rows:

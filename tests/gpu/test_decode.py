@@ -177,6 +177,9 @@ def test_step_queued_ahead_is_dropped_when_the_caller_feeds_another_token(engine
     cache = engine.new_cache()
     assert _forced_ids(engine, prompt, forced, 16, cache) == eager
     assert _forced_ids(engine, prompt, forced, 16, cache) == eager       # same cache: a new prompt
+    assert cache.ahead is not None
+    engine.model.forward(prompt, 0, cache)                               # rewrites the rows it read
+    assert cache.ahead is None
     end = engine.new_cache(len(prompt) + 6)                              # nothing queued past the end
     assert _forced_ids(engine, prompt, {}, 7, end) == _greedy_ids(engine, prompt, 7, engine.new_cache())
     assert end.ahead is None

@@ -20,8 +20,8 @@ from ...config import ModelConfig
 from ...errors import MinferError
 from ..base import Backend, Timer
 from . import attention, ops
-from .gemm import Gemms
 from .decode import DecodeRunner
+from .gemm import Gemms
 from .graphs import GraphRunner
 from .int8 import dequant_rows
 from .launch import cp, is_oom, pos_value, require_cupy
@@ -241,7 +241,10 @@ class CUDABackend(Backend):
     def captured(self, cache, key, fn, x):
         """fn(x), eager on a key's first use, captured on its second, replayed after
         (graphs.py). A single-token forward runs eagerly: its position never repeats
-        within a generation (the greedy decode step has its own graph: decode)."""
+        within a generation (the greedy decode step has its own graph: decode).
+        A decode step queued ahead on this cache is dropped: this work rewrites rows
+        it read, so its token is no longer the one a fresh step would give."""
+        cache.ahead = None
         if not self._settings.graphs or self.graphs.failed or x.shape[0] == 1:
             return fn(x)
         return self.graphs.run(cache.graphs, (key, self._settings), fn, x)

@@ -151,7 +151,7 @@ class Gemms:
     def linears(self, x, ws, biases) -> list:
         """Weights that read the same x (q/k/v, gate/up) -> [f32 (T, n_out) each]. On
         the f16 engine x is rounded to f16 once for all of them; one decode row is
-        quantized to q8_1 once and the weights of one type share a launch."""
+        quantized to q8_1 once and the weights share launches (_matvecs)."""
         T = x.shape[0]
         engines = {self.path(T, w).engine for w in ws}
         if all(w.n_in == x.shape[1] for w in ws):
@@ -203,7 +203,10 @@ class Gemms:
             fits = [g for g in launches if len(g) < matvec.MAX_SEGMENTS
                     and matvec.split_of(ws[g[0]].n_out) == matvec.split_of(w.n_out)
                     and matvec.can_share([ws[j].qtype for j in g] + [w.qtype])]
-            fits[0].append(i) if fits else launches.append([i])
+            if fits:
+                fits[0].append(i)
+            else:
+                launches.append([i])
         ys: list = [None] * n
         for g in launches:
             for i in g:
