@@ -126,16 +126,22 @@ def hyperparameters(gf, arch: str) -> dict:
 
 # --- tensors ----------------------------------------------------------------------
 
+ROPE_FREQS = "rope_freqs.weight"
+
+
 def expected_tensors(cfg) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Every tensor the graph reads: GGUF name -> (numpy shape, required).
 
     Numpy order, as minfer.gguf.TensorInfo.shape: a linear weight is (n_out, n_in).
-    `output.weight` is optional (absent: the LM head is token_embd, tied)."""
+    `output.weight` is optional (absent: the LM head is token_embd, tied); so is a
+    llama model's `rope_freqs.weight` (RoPE frequency factors, minfer/rope.py)."""
     d, V, ff = cfg.d_model, cfg.vocab_size, cfg.d_ff
     q, kv = cfg.n_head * cfg.head_dim, cfg.kv_dim
     t = {"token_embd.weight": ((V, d), True),
          "output_norm.weight": ((d,), True),
          "output.weight": ((V, d), False)}
+    if cfg.arch == "llama":
+        t[ROPE_FREQS] = ((cfg.head_dim // 2,), False)
     layer = {"attn_norm.weight": (d,), "attn_q.weight": (q, d), "attn_k.weight": (kv, d),
              "attn_v.weight": (kv, d), "attn_output.weight": (d, q), "ffn_norm.weight": (d,),
              "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d), "ffn_down.weight": (d, ff)}

@@ -52,6 +52,8 @@ def value_law(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
         return 1.0, 0.1
     if name.endswith(".bias"):
         return 0.0, 0.02
+    if name == "rope_freqs.weight":                        # RoPE frequency factors: all 1
+        return 1.0, 0.0
     if len(shape) != 2:
         raise MinferError(f"synthetic weights: no value law for {name} of shape {shape}")
     if name == "token_embd.weight":

@@ -30,13 +30,14 @@ def make_cfg(neox: bool, n_layer=2, d=96, n_head=6, n_kv=2, d_ff=72, vocab=53) -
 
 
 # --- naive float64 reference ---------------------------------------------------
-def ref_rope(x, pos0, base, neox):
-    """x (T, H, hd) float64, one pair at a time."""
+def ref_rope(x, pos0, base, neox, factors=None):
+    """x (T, H, hd) float64, one pair at a time; pair i's angle divided by factors[i]
+    (llama.cpp's RoPE frequency factors) when given."""
     T, H, hd = x.shape
     out = x.copy()
     for t in range(T):
         for i in range(hd // 2):
-            a = (pos0 + t) * base ** (-2.0 * i / hd)
+            a = (pos0 + t) * base ** (-2.0 * i / hd) / (1.0 if factors is None else float(factors[i]))
             c, s = math.cos(a), math.sin(a)
             j, k = (i, i + hd // 2) if neox else (2 * i, 2 * i + 1)
             out[t, :, j] = x[t, :, j] * c - x[t, :, k] * s
@@ -168,6 +169,21 @@ def test_decode_continues_prefill():
     np.testing.assert_allclose(np.array(got), want[8:], rtol=2e-4, atol=2e-4 * np.abs(want).max())
     with pytest.raises(MinferError, match="do not fit"):
         model.decode(1, 17, cache)
+
+
+def test_rope_with_frequency_factors():
+    """rope_freqs.weight (Llama 3.1's RoPE scaling): pair i's angle divided by factor i."""
+    cfg = make_cfg(False)
+    be = get_backend("cpu", cfg)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((9, 3, cfg.head_dim)).astype(np.float32)
+    plain = be.rope(x, 1000)
+    factors = np.linspace(1.0, 8.0, cfg.head_dim // 2).astype(np.float32)
+    be.set_rope_factors(factors)
+    got = be.rope(x, 1000)
+    np.testing.assert_allclose(got, ref_rope(x.astype(np.float64), 1000, cfg.rope_base, False, factors),
+                               atol=2e-5)
+    assert np.abs(got - plain).max() > 0.1          # the factors change the rotation
 
 
 def test_ops_against_formulas():

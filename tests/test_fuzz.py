@@ -324,6 +324,20 @@ TOKENIZER = [
     ("chat_template-array", lambda s: key(s, "tokenizer.chat_template", V.ARRAY, ["a", "b"], V.STRING), "chat_template"),
 ]
 
+def rope_freqs(values, qtype=None):
+    """A llama model's rope_freqs.weight (head dim 8: 4 factors)."""
+    a = np.asarray(values, np.float32)
+    return lambda s: tensor(s, "rope_freqs.weight", a if qtype is None else (a.astype(np.float16).view(np.uint8), qtype))
+
+
+LLAMA_TENSORS = [
+    ("rope_freqs-wrong-length", rope_freqs([1.0, 2.0, 4.0]), "rope_freqs.weight has shape (3,)"),
+    ("rope_freqs-zero", rope_freqs([1.0, 2.0, 0.0, 8.0]), "rope_freqs.weight[2] = 0.0"),
+    ("rope_freqs-negative", rope_freqs([-1.0, 2.0, 4.0, 8.0]), "rope_freqs.weight[0] = -1.0"),
+    ("rope_freqs-nan", rope_freqs([1.0, float("nan"), 4.0, 8.0]), "finite and positive"),
+    ("rope_freqs-f16", rope_freqs([1.0, 2.0, 4.0, 8.0], Q.F16), "rope_freqs.weight has type F16"),
+]
+
 LLAMA_TOKENIZER = [
     ("spm-scores-short", lambda s: key(s, "tokenizer.ggml.scores", V.ARRAY,
                                        s.meta["tokenizer.ggml.scores"][1][:-3], V.FLOAT32), "scores has"),
@@ -444,7 +458,7 @@ STDIN = [
 def _model_cases():
     for name, mutate, fragment in HYPER + TENSORS + TOKENIZER:
         yield pytest.param("qwen2", mutate, GEN if "chat_template" not in name else CHAT, fragment, id=name)
-    for name, mutate, fragment in LLAMA_TOKENIZER:
+    for name, mutate, fragment in LLAMA_TENSORS + LLAMA_TOKENIZER:
         yield pytest.param("llama", mutate, GEN, fragment, id=name)
     for name, mutate, cmd, fragment in WEIGHTS:
         yield pytest.param("qwen2", mutate, cmd, fragment, id=name)
@@ -482,6 +496,25 @@ def test_the_undamaged_models_run(good_models, capsys, tmp_path):
         assert rc == 0 and "Final estimate: PPL" in out, err
     rc, out, err, _ = run(["generate", "-m", good_models["qwen2"], "-p", "\u00e9t\u00e9 \U0001f600", "-n", "2", "-q"], capsys)
     assert rc == 0, err                                  # valid non-ASCII text passes the UTF-8 rule
+
+
+def test_llama_rope_freqs_are_applied(tmp_path):
+    """A llama GGUF with rope_freqs.weight (Llama 3.1's RoPE scaling) loads and runs;
+    factors of 1 give the logits of the model without the tensor, others change them."""
+    from minfer.engine import Engine
+
+    def logits(factors):
+        spec = base_spec("llama")
+        if factors is not None:
+            rope_freqs(factors)(spec)
+        path = write(spec, tmp_path / f"rf{len(list(tmp_path.iterdir()))}.gguf")
+        eng = Engine.load(str(path), backend="cpu", n_ctx=64, progress=False)
+        toks = np.array([1, 260, 261, 262, 263, 264, 265, 266], np.int32)
+        return eng.model.forward(toks, 0, eng.new_cache(64), logits_from=0)
+
+    plain = logits(None)
+    np.testing.assert_array_equal(logits([1.0, 1.0, 1.0, 1.0]), plain)
+    assert np.abs(logits([1.0, 2.0, 4.0, 8.0]) - plain).max() > 1e-4
 
 
 def test_at_least_100_distinct_bad_inputs():

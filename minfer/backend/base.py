@@ -39,6 +39,13 @@ class Backend(ABC):
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
+        self.rope_factors = None            # rope_freqs.weight (hd/2,) float32 host, or None
+
+    def set_rope_factors(self, factors) -> None:
+        """RoPE's per-pair frequency divisors (minfer/rope.py), float32 host (hd/2,) or
+        None; set by load_weights before any cache exists. A backend rebuilds its
+        RoPE tables from them."""
+        self.rope_factors = factors
 
     # --- weights and state -------------------------------------------------
     @abstractmethod

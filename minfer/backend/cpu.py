@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .. import quants
+from .. import quants, rope
 from ..config import ModelConfig
 from ..errors import MinferError
 from .base import Backend
@@ -102,11 +102,7 @@ class CPUBackend(Backend):
                       f"{have / 2**30:.1f} GiB available: keeping them quantized and "
                       f"dequantizing in each linear (slower)", file=sys.stderr)
         self.keep_quantized = keep_quantized
-        hd = cfg.head_dim
-        # theta_i = base^(-2i/hd), i = 0..hd/2-1, in float64 (the exact values), as ggml's rope
-        self.inv_freq = cfg.rope_base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)   # (hd/2,)
-        self._cos = np.empty((0, hd // 2), np.float32)                                    # (n_pos, hd/2)
-        self._sin = np.empty((0, hd // 2), np.float32)
+        self.set_rope_factors(None)
 
     # --- weights and state -------------------------------------------------
     def load_weight(self, name, info, raw):
@@ -172,11 +168,17 @@ class CPUBackend(Backend):
             y += bias
         return y if residual is None else residual + y
 
+    def set_rope_factors(self, factors):
+        super().set_rope_factors(factors)
+        hd = self.cfg.head_dim
+        self._cos = np.empty((0, hd // 2), np.float32)                                    # (n_pos, hd/2)
+        self._sin = np.empty((0, hd // 2), np.float32)
+
     def _rope_tables(self, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin of pos * theta_i for pos < n_pos: (n_pos, hd/2) float32, grown on demand."""
         if self._cos.shape[0] < n_pos:
             n = max(n_pos, 2 * self._cos.shape[0])
-            angle = np.arange(n, dtype=np.float64)[:, None] * self.inv_freq[None, :]      # (n, hd/2)
+            angle = rope.angles(n, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)  # (n, hd/2)
             self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
         return self._cos[:n_pos], self._sin[:n_pos]
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..contract import expected_tensors
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from ..contract import ROPE_FREQS, expected_tensors
 from ..errors import MinferError
 from ..progress import bar
 
@@ -43,6 +46,9 @@ def load_weights(gf, cfg, backend, progress: bool = True) -> Weights:
       qwen2 GGUFs do not; nothing is rewritten, cfg.rope_neox (config.py)
       tells the backend which rotation to apply.
     - biases: qwen2 has q/k/v biases, llama none (None is passed to linear).
+    - RoPE frequency factors: a llama GGUF may carry `rope_freqs.weight` (Llama
+      3.1's RoPE scaling); its values go to the backend's RoPE tables
+      (backend.set_rope_factors), not to an op.
     """
     def need(name: str):
         if name not in gf.tensors:
@@ -52,6 +58,10 @@ def load_weights(gf, cfg, backend, progress: bool = True) -> Weights:
     # the tensors the graph reads: the model contract's one table (minfer/contract.py)
     tied = "output.weight" not in gf.tensors
     names = [n for n, (_, required) in expected_tensors(cfg).items() if required or n in gf.tensors]
+
+    if ROPE_FREQS in names:
+        names.remove(ROPE_FREQS)
+        backend.set_rope_factors(_rope_factors(gf, need(ROPE_FREQS)))
 
     h: dict[str, Any] = {}
     for name in bar(names, enabled=progress, desc=f"load ({backend.name})", unit="tensor", leave=False):
@@ -71,3 +81,16 @@ def load_weights(gf, cfg, backend, progress: bool = True) -> Weights:
     return Weights(token_embd=h["token_embd.weight"], layers=[lw(i) for i in range(cfg.n_layer)],
                    output_norm=h["output_norm.weight"],
                    output=h["token_embd.weight"] if tied else h["output.weight"])
+
+
+def _rope_factors(gf, info) -> np.ndarray:
+    """rope_freqs.weight -> float32 (hd/2,) host; F32, every factor finite and > 0
+    (each divides a RoPE frequency)."""
+    if info.qtype != GGMLQuantizationType.F32:
+        raise MinferError(f"{gf.path}: tensor {ROPE_FREQS} has type {info.qtype.name}, expected F32")
+    f = np.array(np.ascontiguousarray(gf.raw(ROPE_FREQS)).view(np.float32).reshape(-1))
+    bad = ~(np.isfinite(f) & (f > 0))
+    if bad.any():
+        raise MinferError(f"{gf.path}: tensor {ROPE_FREQS}[{int(np.argmax(bad))}] = {float(f[bad][0])}: "
+                          f"RoPE frequency factors must be finite and positive")
+    return f

@@ -151,8 +151,12 @@ class CUDABackend(Backend):
             cache = CudaCache(self.cfg, max_tokens)
             if self._cos_sin is None or self._cos_sin.shape[0] < max_tokens:
                 self._cos_sin = cp.asarray(ops.rope_table(max_tokens, self.cfg.head_dim,
-                                                          self.cfg.rope_base))
+                                                          self.cfg.rope_base, self.rope_factors))
         return cache
+
+    def set_rope_factors(self, factors) -> None:
+        super().set_rope_factors(factors)
+        self._cos_sin = None                 # new_cache builds it again with the factors
 
     # --- ops -----------------------------------------------------------------
     def embed(self, table, tokens):

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...rope import angles as rope_angles
 from .launch import blocks_1d, check, cp, kernel, launch_grid_stride, out_array, pos_args, pos_value
 from .nvrtc import K
 
 
-def rope_table(n_pos: int, hd: int, base: float) -> np.ndarray:
-    """cos/sin of theta(p, i) = p * base^(-2i/hd), computed in float64 and rounded
-    once to f32 -> (n_pos, hd/2, 2) float32 (ggml's rope angles, without the drift
-    of its f32 running product)."""
-    inv_freq = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)     # (hd/2,)
-    theta = np.arange(n_pos, dtype=np.float64)[:, None] * inv_freq       # (n_pos, hd/2)
+def rope_table(n_pos: int, hd: int, base: float, factors: np.ndarray | None = None) -> np.ndarray:
+    """cos/sin of the RoPE angles (minfer/rope.py), rounded once to f32 -> (n_pos, hd/2, 2)"""
+    theta = rope_angles(n_pos, hd, base, factors)                        # (n_pos, hd/2) f64
     return np.stack([np.cos(theta), np.sin(theta)], axis=-1).astype(np.float32)
 
 
