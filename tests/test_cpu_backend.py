@@ -237,6 +237,40 @@ def test_keep_quantized_is_chosen_from_the_memory_available(monkeypatch, capsys)
     assert "would not fit" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("files,room", [
+    ({"memory.max": "max\n", "memory.current": "5000\n"}, None),                 # v2, no limit
+    ({"memory.max": "100000\n", "memory.current": "30000\n",
+      "memory.stat": "anon 20000\ninactive_file 10000\n"}, 80000),               # v2: cache reclaimable
+    ({"memory.max": "100000\n", "memory.current": "130000\n"}, 0),              # over the limit
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n",
+      "memory/memory.usage_in_bytes": "1000\n"}, None),                           # v1, no limit
+    ({"memory/memory.limit_in_bytes": "1048576\n", "memory/memory.usage_in_bytes": "524288\n",
+      "memory/memory.stat": "cache 4096\ntotal_inactive_file 24288\n"}, 548576),  # v1
+    ({}, None),                                                                  # no cgroup
+])
+def test_cgroup_room(tmp_path, files, room):
+    """A container's memory limit (cgroup v2 or v1) bounds what the CPU backend
+    counts as available, so a too-large load is refused with one line instead of
+    being killed by the kernel."""
+    from minfer.backend import cpu
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu.cgroup_room(tmp_path) == room
+
+
+def test_available_bytes_takes_the_smaller_of_meminfo_and_the_cgroup(monkeypatch):
+    from minfer.backend import cpu
+    monkeypatch.setattr(cpu, "cgroup_room", lambda: None)
+    free = cpu.available_bytes()
+    assert free is None or free > 0
+    if free is not None:
+        monkeypatch.setattr(cpu, "cgroup_room", lambda: free // 2)
+        assert cpu.available_bytes() == free // 2
+        monkeypatch.setattr(cpu, "cgroup_room", lambda: 10 * free)
+        assert cpu.available_bytes() == free
+
+
 def test_embed_dequantizes_only_the_rows_asked_for():
     rng = np.random.default_rng(5)
     cfg = make_cfg(True)
