@@ -1,33 +1,130 @@
 #!/usr/bin/env python3
-"""Host vs device time of one forward pass, and where the host time goes.
+"""Where a prefill's time goes: every kernel of one forward pass, timed by CUPTI
+and summed per kernel family (the default), or host vs device time (--host).
 
-    python scripts/profile_forward.py -m MODEL [-t 1,512,3325] [--cprofile 512]
+    python scripts/profile_forward.py -m MODEL [-p 512,3325] [-r 3]
+    python scripts/profile_forward.py -m MODEL --host [-t 1,512,3325] [--cprofile 512]
 
-For each token count: cupyx.profiler.benchmark's CPU time (the host's time to
-issue the whole forward) beside its GPU time (CUDA events): when the two are
-close, the forward is host-bound and the GPU waits for Python. --cprofile T
-prints the top functions by own time for one forward of T tokens.
+Kernel table, for each prompt length: two untimed forwards (compile, warm the pools), then -r
+profiled forwards with CUDA graphs off, so that every launch is its own
+kernel record; the table gives each family's ms per forward (the median over
+the -r forwards), its share and its launches, and the sum beside the forward's
+wall time (the difference is the host's launch overhead that a CUDA graph
+removes). Kernel records come from PyTorch's profiler, used only as a CUPTI
+client: it records the kernels of every library in the process (our NVRTC
+kernels, cuBLAS, CuPy's element-wise kernels); nothing of torch computes
+anything. The GPU machine has torch; this script is its only user.
+
+--host: for each token count, cupyx.profiler.benchmark's CPU time (the host's
+time to issue the whole forward) beside its GPU time (CUDA events): when the two
+are close, the forward is host-bound and the GPU waits for Python; then the
+decoder layers as one CUDA-graph replay, and cProfile's top functions by own
+time for one forward of --cprofile tokens.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pstats
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
 from minfer.engine import Engine
 
+# kernel-name fragment -> family, first match wins (cuBLAS names its GEMM kernels
+# after the architecture and tile: nvjet_..., sm90_xmma_gemm_..., cutlass_...,
+# and its split-K reductions splitKreduce_...)
+FAMILIES = (
+    ("flash_attn", "attention (flash)"),
+    ("attention_f32", "attention (f32)"),
+    ("dequant32_f16", "dequantize -> f16"),
+    ("dequant_f16", "dequantize -> f16"),
+    ("dequant_q", "dequantize -> f16"),
+    ("dequant_rows", "embedding rows"),
+    ("gemm", "GEMM (cuBLAS)"),
+    ("nvjet", "GEMM (cuBLAS)"),
+    ("splitk", "GEMM (cuBLAS)"),
+    ("xmma", "GEMM (cuBLAS)"),
+    ("cutlass", "GEMM (cuBLAS)"),
+    ("mmq", "GEMM (int8 MMQ)"),
+    ("matvec", "matvec (LM head)"),
+    ("rmsnorm", "RMSNorm"),
+    ("rope", "RoPE + KV store"),
+    ("store_kv", "RoPE + KV store"),
+    ("cast_f32_f16", "casts f32 -> f16"),
+    ("swiglu", "SwiGLU"),
+    ("quantize_q8_1", "q8_1 quantization"),
+    ("add", "adds (residual, bias)"),
+    ("argmax", "argmax"),
+)
 
-def main() -> int:
+
+def family(kernel_name: str) -> str:
+    low = kernel_name.lower()
+    for frag, fam in FAMILIES:
+        if frag in low:
+            return fam
+    return f"other: {kernel_name[:40]}"
+
+
+def kernel_report(a) -> int:
+    """The kernel-time table per kernel family (the default)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        sys.exit("profile_forward: needs torch (its profiler is the CUPTI client)")
+    lengths = [int(t) for t in a.prompts.split(",")]
+    eng = Engine.load(a.model, backend="cuda", n_ctx=max(lengths), progress=False)
+    be, model = eng.backend, eng.model
+    rng = np.random.default_rng(0)
+    with be.using(graphs=False):
+        for T in lengths:
+            tokens = rng.integers(0, eng.cfg.vocab_size, T).astype(np.int32)
+            cache = eng.new_cache(T)
+            for _ in range(2):
+                model.forward(tokens, 0, cache)
+            per_rep, walls = [], []
+            for _ in range(a.reps):
+                be.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    t0 = time.perf_counter()
+                    model.forward(tokens, 0, cache)
+                    be.synchronize()
+                    walls.append(time.perf_counter() - t0)
+                ms, n = collections.defaultdict(float), collections.Counter()
+                for ev in prof.events():
+                    if not str(ev.device_type).endswith("CUDA"):    # kernel records only
+                        continue
+                    fam = family(ev.name)
+                    ms[fam] += ev.time_range.elapsed_us() / 1e3     # us -> ms
+                    n[fam] += 1
+                per_rep.append((ms, n))
+            fams = sorted({f for ms, _ in per_rep for f in ms},
+                          key=lambda f: -np.median([ms.get(f, 0.0) for ms, _ in per_rep]))
+            med = {f: float(np.median([ms.get(f, 0.0) for ms, _ in per_rep])) for f in fams}
+            total = sum(med.values())
+            print(f"\n{Path(a.model).name}: prefill of {T} tokens, graphs off, median of {a.reps}")
+            print("| kernel family | ms | share | launches |")
+            print("| --- | ---: | ---: | ---: |")
+            for f in fams:
+                print(f"| {f} | {med[f]:.2f} | {med[f] / total:.1%} | {per_rep[0][1][f]} |")
+            wall = float(np.median(walls)) * 1e3
+            print(f"| **kernels** | **{total:.2f}** | | {sum(per_rep[0][1].values())} |")
+            print(f"wall {wall:.2f} ms per forward (eager): {T / wall * 1e3:,.0f} tok/s; "
+                  f"kernels alone {T / total * 1e3:,.0f} tok/s")
+    eng.close()
+    return 0
+
+
+def host_report(a) -> int:
+    """--host: host vs device time per token count, the layers as one graph replay,
+    and cProfile's top functions for one forward."""
     from cupyx.profiler import benchmark
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", required=True)
-    ap.add_argument("-t", "--tokens", default="1,512,3325")
-    ap.add_argument("--cprofile", type=int, default=512)
-    a = ap.parse_args()
     ts = [int(t) for t in a.tokens.split(",")]
     eng = Engine.load(a.model, backend="cuda", n_ctx=max(ts + [a.cprofile]) + 1, progress=False)
     cache = eng.new_cache()
@@ -74,6 +171,19 @@ def main() -> int:
     pr.disable()
     pstats.Stats(pr).sort_stats("tottime").print_stats(28)
     return 0
+
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True, help="GGUF (the 7B twin: minfer twin -o PATH)")
+    ap.add_argument("-p", "--prompts", default="512,3325", help="kernel table: prompt lengths")
+    ap.add_argument("-r", "--reps", type=int, default=3, help="kernel table: profiled forwards")
+    ap.add_argument("--host", action="store_true", help="host vs device time instead")
+    ap.add_argument("-t", "--tokens", default="1,512,3325", help="--host: token counts")
+    ap.add_argument("--cprofile", type=int, default=512, help="--host: tokens of the cProfile'd forward")
+    a = ap.parse_args()
+    return host_report(a) if a.host else kernel_report(a)
 
 
 if __name__ == "__main__":
