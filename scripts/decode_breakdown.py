@@ -23,14 +23,13 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ops import graph_ms, random_weight  # noqa: E402
+from bench_ops import graph_ms, random_weight      # scripts/bench_ops.py (the script's own folder)
 
-from minfer.backend.cuda import attention, int8, ops  # noqa: E402
-from minfer.backend.cuda.launch import DevicePos  # noqa: E402
-from minfer.backend.cuda.matvec import matvec, matvecs, split_of  # noqa: E402
-from minfer.config import ModelConfig  # noqa: E402
-from minfer.gguf import open_gguf  # noqa: E402
+from minfer.backend.cuda import attention, int8, ops
+from minfer.backend.cuda.launch import DevicePos
+from minfer.backend.cuda.matvec import matvec, matvecs, split_of
+from minfer.config import ModelConfig
+from minfer.gguf import open_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_HEADER = ROOT / "models" / "deepseek-r1-distill-qwen-7b-q4_k_m.header.gguf"
@@ -45,12 +44,11 @@ def layer_types(f) -> list[tuple[QT, ...]]:
 
 
 def main() -> int:
-    import cupy as cp
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--header", default=str(DEFAULT_HEADER))
     ap.add_argument("-d", "--depths", default="16,3325", help="context lengths to time attention at")
     a = ap.parse_args()
+    import cupy as cp
     f = open_gguf(a.header, header_only=True)
     cfg = ModelConfig.from_gguf(f)
     d, kv, ff, hd = cfg.d_model, cfg.kv_dim, cfg.d_ff, cfg.head_dim
