@@ -59,16 +59,23 @@ ROW_KERNELS = {QT.Q4_K: "dequant_rows_q4k", QT.Q6_K: "dequant_rows_q6k",
                QT.F32: "dequant_rows_f32"}
 
 
+def _q8_1_out(what: str, T: int, n: int, q, d, s):
+    """The q8_1 form of a (T, n) f32 activation: q int8 (T, n), d and s f32 (T, n/32),
+    allocated, or checked when given; n must be a whole number of blocks of 32."""
+    if n % K["QK8_1"]:
+        raise ValueError(f"{what}: shape {(T, n)}, the last dimension must be a multiple of 32")
+    nb = n // K["QK8_1"]
+    return (out_array(q, (T, n), f"{what} q", cp.int8),                  # (T, n)
+            out_array(d, (T, nb), f"{what} d"),                           # (T, n/32)
+            out_array(s, (T, nb), f"{what} s"))                           # (T, n/32)
+
+
 def quantize_q8_1(x, q=None, d=None, s=None):
     """x f32 (T, K) -> q int8 (T, K), d f32 (T, K/32), s f32 (T, K/32)"""
     check(x, "quantize_q8_1 x", cp.float32, ndim=2)
     T, n = x.shape
-    if n % K["QK8_1"]:
-        raise ValueError(f"quantize_q8_1: x shape {x.shape}, K must be a multiple of 32")
+    q, d, s = _q8_1_out("quantize_q8_1", T, n, q, d, s)
     nb = n // K["QK8_1"]
-    q = out_array(q, (T, n), "quantize_q8_1 q", cp.int8)              # (T, K)
-    d = out_array(d, (T, nb), "quantize_q8_1 d")                      # (T, K/32)
-    s = out_array(s, (T, nb), "quantize_q8_1 s")                      # (T, K/32)
     if T * nb:
         warps = K["THREADS_1D"] // 32                                 # one warp per block of 32
         kernel("quantize.cu", "quantize_q8_1")((blocks_1d(T * nb, warps),), (K["THREADS_1D"],),
@@ -82,12 +89,7 @@ def rmsnorm_q8_1(x, w, eps: float, q=None, d=None, s=None):
     check(x, "rmsnorm_q8_1 x", cp.float32, ndim=2)
     T, n = x.shape
     check(w, "rmsnorm_q8_1 w", cp.float32, (n,))
-    if n % K["QK8_1"]:
-        raise ValueError(f"rmsnorm_q8_1: x shape {x.shape}, K must be a multiple of 32")
-    nb = n // K["QK8_1"]
-    q = out_array(q, (T, n), "rmsnorm_q8_1 q", cp.int8)              # (T, K)
-    d = out_array(d, (T, nb), "rmsnorm_q8_1 d")                      # (T, K/32)
-    s = out_array(s, (T, nb), "rmsnorm_q8_1 s")                      # (T, K/32)
+    q, d, s = _q8_1_out("rmsnorm_q8_1", T, n, q, d, s)
     if T:
         kernel("norm.cu", "rmsnorm_q8_1")((T,), (K["NORM_THREADS"],),
                                           (x, w, q, d, s, np.int32(n), np.float32(eps)))
@@ -100,12 +102,8 @@ def swiglu_q8_1(gate, up, q=None, d=None, s=None):
     check(gate, "swiglu_q8_1 gate", cp.float32, ndim=2)
     T, n = gate.shape
     check(up, "swiglu_q8_1 up", cp.float32, (T, n))
-    if n % K["QK8_1"]:
-        raise ValueError(f"swiglu_q8_1: shape {gate.shape}, n must be a multiple of 32")
+    q, d, s = _q8_1_out("swiglu_q8_1", T, n, q, d, s)
     nb = n // K["QK8_1"]
-    q = out_array(q, (T, n), "swiglu_q8_1 q", cp.int8)               # (T, n)
-    d = out_array(d, (T, nb), "swiglu_q8_1 d")                       # (T, n/32)
-    s = out_array(s, (T, nb), "swiglu_q8_1 s")
     if T * nb:
         warps = K["THREADS_1D"] // 32
         kernel("quantize.cu", "swiglu_q8_1")((blocks_1d(T * nb, warps),), (K["THREADS_1D"],),
