@@ -112,3 +112,16 @@ __device__ __forceinline__ void rope_rotate(float a, float b, float c, float s, 
     *ya = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
     *yb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
+
+// ---- f16 -----------------------------------------------------------------------
+// f32 -> f16 bits, round to nearest even (cast_f32_f16's rounding): a kernel that
+// writes an f16 operand directly gives the bits of an f32 write and a cast
+__device__ __forceinline__ u32 f16_bits_rn(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
+    return f16_bits_rn(lo) | (f16_bits_rn(hi) << 16);
+}

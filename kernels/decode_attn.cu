@@ -22,16 +22,6 @@
 #define DEC_PART (FA_HD + 2)        // floats per partial: max, sum, accumulator
 #define DEC_NEG_INF (-__int_as_float(0x7f800000))
 
-__device__ __forceinline__ u32 f16_bits_rn(float f) {          // round to nearest even
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
-__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
-    return f16_bits_rn(lo) | (f16_bits_rn(hi) << 16);
-}
-
 __device__ __forceinline__ float f16_lo(u32 w) { return f16_to_f32((u16)(w & 0xFFFF)); }
 __device__ __forceinline__ float f16_hi(u32 w) { return f16_to_f32((u16)(w >> 16)); }
 
@@ -50,13 +40,25 @@ store_kv_f16(const float4* __restrict__ k, const float4* __restrict__ v, uint2* 
 }
 
 // RoPE and the KV store in one launch (rope.cu's rotation, store_kv_f16's rounding):
-// q (T, n_head, hd) -> qo rotated; k (T, n_kv, hd) rotated and v -> rows p..p+T-1 of
-// one layer's f16 caches kc, vc (n_ctx, n_kv, hd). cos_sin (n_pos, hd/2, 2) as in
-// rope.cu; NeoX halves or adjacent pairs. One thread per pair of one head of q or k
-// (the k threads also store v's two elements): T * (n_head + n_kv) * hd/2 threads.
+// element e of a head's row, plus its bias when there is one (b: (heads, hd) flat,
+// the projection's bias): the f32 sum the projection's own bias add would round
+__device__ __forceinline__ float with_bias(const float* __restrict__ x, size_t at,
+                                           const float* __restrict__ b, int e) {
+    return b ? x[at] + b[e] : x[at];
+}
+
+// q (T, n_head, hd) [+ bq] -> rotated into qo (f32) or qo16 (f16, the flash
+// attention's operand); k (T, n_kv, hd) [+ bk] rotated and v [+ bv] -> rows
+// p..p+T-1 of one layer's f16 caches kc, vc (n_ctx, n_kv, hd). The biases (nullable)
+// are the q/k/v projections' own, added here instead of after the GEMMs: the same
+// f32 sums. cos_sin (n_pos, hd/2, 2) as in rope.cu; NeoX halves or adjacent pairs.
+// One thread per pair of one head of q or k (the k threads also store v's two
+// elements): T * (n_head + n_kv) * hd/2 threads.
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
-rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, const float* __restrict__ k,
-                  const float* __restrict__ v, u16* __restrict__ kc, u16* __restrict__ vc,
+rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, u16* __restrict__ qo16,
+                  const float* __restrict__ k, const float* __restrict__ v,
+                  const float* __restrict__ bq, const float* __restrict__ bk,
+                  const float* __restrict__ bv, u16* __restrict__ kc, u16* __restrict__ vc,
                   const float* __restrict__ cos_sin, int T, int n_head, int n_kv, int hd,
                   int pos0, const int* __restrict__ pos_dev, int neox) {
     const int half = hd / 2, heads = n_head + n_kv;
@@ -69,18 +71,26 @@ rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, const flo
     float ya, yb;
     if (hh < n_head) {
         const size_t base = ((size_t)t * n_head + hh) * hd;
-        rope_rotate(q[base + ia], q[base + ib], cs[0], cs[1], &ya, &yb);
-        qo[base + ia] = ya;
-        qo[base + ib] = yb;
+        const int e = hh * hd;
+        rope_rotate(with_bias(q, base + ia, bq, e + ia), with_bias(q, base + ib, bq, e + ib),
+                    cs[0], cs[1], &ya, &yb);
+        if (qo16) {
+            qo16[base + ia] = (u16)f16_bits_rn(ya);
+            qo16[base + ib] = (u16)f16_bits_rn(yb);
+        } else {
+            qo[base + ia] = ya;
+            qo[base + ib] = yb;
+        }
         return;
     }
-    const int kvh = hh - n_head;
+    const int kvh = hh - n_head, e = kvh * hd;
     const size_t src = ((size_t)t * n_kv + kvh) * hd, dst = ((size_t)p * n_kv + kvh) * hd;
-    rope_rotate(k[src + ia], k[src + ib], cs[0], cs[1], &ya, &yb);
+    rope_rotate(with_bias(k, src + ia, bk, e + ia), with_bias(k, src + ib, bk, e + ib),
+                cs[0], cs[1], &ya, &yb);
     kc[dst + ia] = (u16)f16_bits_rn(ya);
     kc[dst + ib] = (u16)f16_bits_rn(yb);
-    vc[dst + ia] = (u16)f16_bits_rn(v[src + ia]);
-    vc[dst + ib] = (u16)f16_bits_rn(v[src + ib]);
+    vc[dst + ia] = (u16)f16_bits_rn(with_bias(v, src + ia, bv, e + ia));
+    vc[dst + ib] = (u16)f16_bits_rn(with_bias(v, src + ib, bv, e + ib));
 }
 
 // Lane l's four dims 4l..4l+3 of a head row (f32), rotated by RoPE at position p

@@ -2,7 +2,8 @@
 //   y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w
 // One block per row; the sum of squares is reduced in f32 (warp shuffles, then
 // one value per warp through shared memory). rmsnorm_q8_1 writes the same values
-// as q8_1 blocks (the operand of the decode matvecs) instead of f32.
+// as q8_1 blocks (the operand of the decode matvecs), rmsnorm_f16 rounded to f16
+// (the operand of the f16 engine's GEMMs) instead of f32.
 
 #include "common.cuh"
 
@@ -51,4 +52,17 @@ rmsnorm_q8_1(const float* __restrict__ x, const float* __restrict__ w, i8* __res
         const size_t g = row * nb + b;
         q8_1_block(xr[i] * scale * w[i], lane, q + g * QK8_1, qd + g, qs + g);
     }
+}
+
+// x (rows, d), w (d,) -> y (rows, d) f16: rmsnorm_f32's values rounded once to f16,
+// the f16 engine's GEMM operand written directly (the bits of rmsnorm_f32 then
+// cast_f32_f16, without the f32 round trip); grid = rows, block = NORM_THREADS
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_f16(const float* __restrict__ x, const float* __restrict__ w,
+            u16* __restrict__ y, int d, float eps) {
+    const size_t row = blockIdx.x;
+    const float* xr = x + row * (size_t)d;
+    u16* yr = y + row * (size_t)d;
+    const float scale = row_scale(xr, d, eps);
+    for (int i = threadIdx.x; i < d; i += NORM_THREADS) yr[i] = (u16)f16_bits_rn(xr[i] * scale * w[i]);
 }

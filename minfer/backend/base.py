@@ -71,7 +71,8 @@ class Backend(ABC):
     def linear(self, x, w, bias=None, residual=None) -> Any:
         """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] -> y (T, n_out); with a
         residual (T, n_out): residual + y (the residual stream's add, which a backend
-        may fuse into the product's store)"""
+        may fuse into the product's store). The residual is consumed: a backend may
+        write the sum into its memory and return it."""
 
     def linears(self, x, ws, biases) -> list:
         """Several linears of the same x (q/k/v, gate/up) -> [(T, n_out) each]; a
@@ -87,9 +88,21 @@ class Backend(ABC):
     def ffn(self, x, norm_w, eps: float, gate, up, down) -> Any:
         """The SwiGLU feed-forward sub-block with its residual: x (T, d) ->
         x + down(silu(gate h) * (up h)), h = rmsnorm(x) * norm_w (T, d); a backend may
-        fuse it or keep the (T, d_ff) intermediates in lower precision."""
+        fuse it or keep the (T, d_ff) intermediates in lower precision. x is consumed,
+        as linear's residual."""
         h = self.rmsnorm(x, norm_w, eps)
         return self.linear(self.swiglu(*self.linears(h, (gate, up), (None, None))), down, residual=x)
+
+    def attention_block(self, x, norm_w, eps: float, wq, wk, wv, biases, wo, cache, layer: int,
+                        pos0) -> Any:
+        """The attention sub-block with its residual: x (T, d) -> x + o(a), a the
+        attention (rope_attention) of q, k, v = the linears of rmsnorm(x) * norm_w with
+        their biases (each None or (n_out,)). x is consumed, as linear's residual."""
+        cfg, T = self.cfg, x.shape[0]
+        q, k, v = self.norm_linears(x, norm_w, eps, (wq, wk, wv), biases)
+        a = self.rope_attention(q.reshape(T, cfg.n_head, cfg.head_dim), k.reshape(T, cfg.n_head_kv, cfg.head_dim),
+                                v.reshape(T, cfg.n_head_kv, cfg.head_dim), cache, layer, pos0)
+        return self.linear(a, wo, residual=x)                                # (T, n_head*hd) -> (T, d)
 
     def rope_attention(self, q, k, v, cache, layer: int, pos0: int) -> Any:
         """attention of q and k rotated by RoPE at positions pos0.. (see rope, attention)"""

@@ -43,13 +43,10 @@ class Transformer:
         pos0 is an int, or in a decode step whatever position the backend's decode
         hands its step (a position held in device memory on the GPU)."""
         cfg, be = self.cfg, self.be
-        T, hd = x.shape[0], cfg.head_dim
         for i, L in enumerate(self.w.layers):
-            q, k, v = be.norm_linears(x, L.attn_norm, cfg.rms_eps, (L.attn_q, L.attn_k, L.attn_v),
-                                      (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
-            a = be.rope_attention(q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_head_kv, hd),
-                                  v.reshape(T, cfg.n_head_kv, hd), cache, i, pos0)   # (T, n_head*hd)
-            x = be.linear(a, L.attn_output, residual=x)                     # x + o(a)
+            x = be.attention_block(x, L.attn_norm, cfg.rms_eps, L.attn_q, L.attn_k, L.attn_v,
+                                   (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias), L.attn_output,
+                                   cache, i, pos0)                                   # x + o(attn)
             x = be.ffn(x, L.ffn_norm, cfg.rms_eps, L.ffn_gate, L.ffn_up, L.ffn_down)  # x + SwiGLU
         return x
 

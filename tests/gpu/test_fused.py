@@ -3,7 +3,11 @@
     rmsnorm_q8_1        == quantize_q8_1(rmsnorm(x))
     matvecs (3 weights) == three matvec launches; with a residual == add(res, matvec)
     swiglu_q8_1         == quantize_q8_1(swiglu(gate, up))
-    rope_store_kv_f16   == rope(q), rope(k), store_kv_f16(k, v)
+    rope_store_kv_f16   == rope(q), rope(k), store_kv_f16(k, v); with the q/k/v biases
+                           and q to f16 == the bias adds, then those, then cast_f16(q)
+    rmsnorm (f16 out)   == cast_f16(rmsnorm(x))
+    f16 GEMM accumulating into the residual ~= residual + GEMM (cuBLAS may take
+                           another kernel for beta = 1: a tolerance of f32 sums)
 
 The unfused kernels are each checked against NumPy (test_ops.py, test_mmq.py,
 test_quants32.py, test_decode.py); equality bit for bit is what keeps the greedy
@@ -175,3 +179,53 @@ def test_decode_attention_with_rope_equals_rope_store_then_attention(cp, pos, n_
     assert np.isfinite(cp.asnumpy(got)).all()
     assert _same(cp.asnumpy(got), cp.asnumpy(want))
     assert _same(cp.asnumpy(kc), cp.asnumpy(kc_w)) and _same(cp.asnumpy(vc), cp.asnumpy(vc_w))
+
+
+@pytest.mark.parametrize("T,K", [(2, 96), (5, 1536), (3, 3584), (2, 8960)])
+def test_rmsnorm_f16_equals_norm_then_cast(cp, T, K):
+    from minfer.backend.cuda import f16, ops
+    rng = np.random.default_rng([T, K, 16])
+    x, w = cp.asarray(_x(rng, T, K)), cp.asarray(rng.uniform(0.5, 2.0, K).astype(np.float32))
+    want = f16.cast_f16(ops.rmsnorm(x, w, 1e-6))
+    got = cp.full((T, K), np.nan, cp.float16)
+    assert ops.rmsnorm(x, w, 1e-6, out=got, dtype=cp.float16) is got
+    assert _same(cp.asnumpy(got), cp.asnumpy(want))
+
+
+@pytest.mark.parametrize("T,pos", [(6, 5), (37, 0)])
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
+def test_rope_store_kv_with_biases_and_f16_q_equals_the_unfused_ops(cp, T, pos, neox):
+    from minfer.backend.cuda import attention, f16, ops
+    rng = np.random.default_rng([T, pos, neox, 1])
+    n_head, n_kv, hd, n_ctx = 12, 2, 128, 96
+    table = cp.asarray(ops.rope_table(n_ctx, hd, 1e6))
+    q, k, v = (cp.asarray((rng.standard_normal((T, h, hd)) * 3).astype(np.float32))
+               for h in (n_head, n_kv, n_kv))
+    bq, bk, bv = (cp.asarray(rng.standard_normal(h * hd).astype(np.float32)) for h in (n_head, n_kv, n_kv))
+    kc_w, vc_w = cp.full((n_ctx, n_kv, hd), np.nan, cp.float16), cp.full((n_ctx, n_kv, hd), np.nan, cp.float16)
+    qb, kb, vb = ((a.reshape(T, -1) + b).reshape(a.shape) for a, b in ((q, bq), (k, bk), (v, bv)))
+    q_w = f16.cast_f16(ops.rope(qb, table, pos, neox))
+    attention.store_kv_f16(ops.rope(kb, table, pos, neox), vb, kc_w, vc_w, pos)
+    kc, vc = cp.full_like(kc_w, np.nan), cp.full_like(vc_w, np.nan)
+    q16 = cp.full(q.shape, np.nan, cp.float16)
+    assert attention.rope_store_kv_f16(q, k, v, kc, vc, table, pos, neox, q16, biases=(bq, bk, bv)) is q16
+    assert _same(cp.asnumpy(q16), cp.asnumpy(q_w))
+    for got, want in ((kc, kc_w), (vc, vc_w)):
+        assert _same(cp.asnumpy(got), cp.asnumpy(want))
+
+
+@pytest.mark.parametrize("T,K,N", [(7, 256, 96), (300, 1536, 544)])
+def test_f16_gemm_accumulates_into_the_residual(cp, T, K, N):
+    from minfer.backend.cuda import f16
+    rng = np.random.default_rng([T, K, N])
+    xh = cp.asarray(rng.standard_normal((T, K)).astype(np.float16))
+    w16 = cp.asarray((rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float16))
+    res = cp.asarray((rng.standard_normal((T, N)) * 4).astype(np.float32))
+    want = cp.asnumpy(res) + cp.asnumpy(f16.gemm_w16(xh, w16))
+    acc = res.copy()
+    assert f16.gemm_w16(xh, w16, out=acc, accumulate=True) is acc
+    # f32 sums of K exact products in another order at most: a few ulp of the sum's terms
+    tol = 1e-6 * (np.abs(cp.asnumpy(res)).max() + np.sqrt(K) * 4)
+    assert np.abs(cp.asnumpy(acc) - want).max() <= tol
+    with pytest.raises(ValueError, match="order"):
+        f16.gemm_w16(xh, w16, out=acc, bias=cp.zeros(N, cp.float32), accumulate=True)

@@ -178,3 +178,31 @@ def test_forced_miss_counts_fallback_and_warns_once(cp, cuda_linears, capsys):
     c = gemm.counters.counts
     assert c["q6k fallback!"] == 2 and c["q6k exp"] == 0 and c["q6k exp=off"] == 0
     assert capsys.readouterr().err.count("WARNING: W_exp plane registration failed") == 1
+
+
+@pytest.mark.parametrize("plane", ["blk.0.ffn_down.weight", "blk.0.attn_q.weight"])
+def test_kept_f16_weights_give_the_dequantized_gemm_bit_for_bit(cp, cuda_linears, plane):
+    """MINFER_F16_WEIGHTS=1: the copy made at load (from the W_exp plane where the
+    bundle covers the tensor, else from the padded blocks) is what the per-GEMM
+    dequantization gives, so every product is the same; the GEMMs count `q6k f16
+    kept` and dequantize nothing; the copies are in the memory accounting."""
+    od, id_ = 48, 768
+    info = _info(plane, od, id_)
+    x = cp.asarray(np.random.default_rng(11).standard_normal((6, id_)).astype(np.float32))
+    st0, g0 = cuda_linears()
+    want = cp.asnumpy(g0.linear(x, st0.register(plane, info, _raw_q6k(od, id_, seed=3))))
+    st, gemm = cuda_linears(f16_weights=True)
+    w = st.register(plane, info, _raw_q6k(od, id_, seed=3))
+    assert st.f16_of(w) is not None and st.bytes["f16 weights"] == od * id_ * 2
+    got = cp.asnumpy(gemm.linear(x, w))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    c = gemm.counters.counts
+    assert c["q6k f16 kept"] == 1 and c["q6k_f16"] == 1
+    assert c["q6k exp"] == c["q6k raw"] == c["q6k fallback!"] == 0
+    assert gemm._f16w is None                      # the weight scratch was never needed
+    gemm.linear(x[:1], w)                          # a decode row still reads the q6_K blocks
+    assert gemm.counters.counts["q6k_mv"] == 1
+    del w
+    import gc
+    gc.collect()
+    assert st.f16 == {} and st.bytes["f16 weights"] == 0

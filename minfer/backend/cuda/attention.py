@@ -25,7 +25,7 @@ import numpy as np
 
 from ...errors import MinferError
 from .f16 import cast_f16
-from .launch import (NULL, DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, cp, kernel,
+from .launch import (NULL, DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, cp, kernel, or_null,
                      out_array, pos_args, pos_value, scratch_view)
 from .nvrtc import K
 
@@ -155,11 +155,14 @@ def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=No
     return out
 
 
-def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out=None):
+def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out=None,
+                      biases=(None, None, None)):
     """q (T, n_head, hd), k, v (T, n_kv, hd) f32 at positions pos.. (an int or a
-    launch.DevicePos): rotates q into q_out, and k, then stores k and v into rows
-    pos..pos+T-1 of one layer's f16 caches (n_ctx, n_kv, hd) -> q_out. The values of
-    ops.rope (q and k) and store_kv_f16, bit for bit, in one launch."""
+    launch.DevicePos): rotates q into q_out (f32, or f16: the flash attention's
+    operand), and k, then stores k and v into rows pos..pos+T-1 of one layer's f16
+    caches (n_ctx, n_kv, hd) -> q_out. biases: the q/k/v projections' biases
+    (n_head*hd,), (n_kv*hd,), (n_kv*hd,) or None, added first. The values of the
+    bias adds, ops.rope (q and k), store_kv_f16 and cast_f16, bit for bit, in one launch."""
     check(q, "rope_store_kv_f16 q", cp.float32, ndim=3)
     T, n_head, hd = q.shape
     check(k_cache, "rope_store_kv_f16 k_cache", cp.float16, ndim=3)
@@ -173,12 +176,17 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
     pos0 = pos_value(pos)
     if pos0 < 0 or pos0 + T > min(n_ctx, cos_sin.shape[0]):
         raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {n_ctx}")
-    q_out = out_array(q_out, q.shape, "rope_store_kv_f16 q_out")              # (T, n_head, hd)
+    half = q_out is not None and q_out.dtype == cp.float16
+    q_out = out_array(q_out, q.shape, "rope_store_kv_f16 q_out", cp.float16 if half else None)
+    for b, heads, nm in zip(biases, (n_head, n_kv, n_kv), "qkv"):
+        if b is not None:
+            check(b, f"rope_store_kv_f16 bias {nm}", cp.float32, (heads * hd,))
     n = T * (n_head + n_kv) * (hd // 2)
     if n:
         kernel("decode_attn.cu", "rope_store_kv_f16")(
             (blocks_1d(n),), (THREADS_1D,),
-            (q, q_out, k, v, k_cache, v_cache, cos_sin, np.int32(T), np.int32(n_head), np.int32(n_kv),
+            (q, NULL if half else q_out, q_out if half else NULL, k, v, *map(or_null, biases),
+             k_cache, v_cache, cos_sin, np.int32(T), np.int32(n_head), np.int32(n_kv),
              np.int32(hd), *pos_args(pos), np.int32(bool(neox))))
     return q_out
 

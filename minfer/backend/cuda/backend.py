@@ -130,6 +130,9 @@ class CUDABackend(Backend):
         drop = (f"set MINFER_MMQ_Q6K_EXP=0 to drop the W_exp planes ({self.store.plane_bytes / 1e9:.2f} "
                 f"GB allocated so far; ~1.52 GB on the 7B)" if self._settings.exp_planes
                 else "the W_exp planes are already off (MINFER_MMQ_Q6K_EXP=0)")
+        if self._settings.f16_weights:
+            drop = (f"unset MINFER_F16_WEIGHTS to drop the kept f16 weights "
+                    f"({self.store.bytes.get('f16 weights', 0) / 1e9:.2f} GB so far), {drop}")
         return MinferError(f"GPU out of memory while {what} ({free / 2**30:.2f} of "
                            f"{total / 2**30:.2f} GiB free): {drop}, or use a smaller -c")
 
@@ -197,20 +200,43 @@ class CUDABackend(Backend):
         if x.shape[-1] != self.cfg.head_dim:
             raise ValueError(f"rope: head dim {x.shape[-1]}, model has {self.cfg.head_dim}")
 
+    def attention_block(self, x, norm_w, eps: float, wq, wk, wv, biases, wo, cache, layer: int, pos0):
+        """A prompt on the f16 cache whose q/k/v take the f16 engine: the norm writes
+        the GEMMs' f16 operand, the q/k/v biases are added in the RoPE + KV-store
+        kernel (the same f32 sums), the o projection accumulates into x. Otherwise
+        (a decode row, whose matvecs add the biases; the f32 cache) the composition."""
+        T, cfg = x.shape[0], self.cfg
+        if not (T > 1 and cache.k.dtype == cp.float16 and self.gemm.all_f16(x, (wq, wk, wv))):
+            return super().attention_block(x, norm_w, eps, wq, wk, wv, biases, wo, cache, layer, pos0)
+        q, k, v = self.gemm.norm_linears(x, norm_w, eps, (wq, wk, wv), (None, None, None))
+        a = self._rope_attention_f16(q.reshape(T, cfg.n_head, cfg.head_dim),
+                                     k.reshape(T, cfg.n_head_kv, cfg.head_dim),
+                                     v.reshape(T, cfg.n_head_kv, cfg.head_dim), cache, layer, pos0,
+                                     biases=biases)
+        return self.gemm.linear(a, wo, residual=x)
+
     def rope_attention(self, q, k, v, cache, layer: int, pos0, out=None):
-        """The f16 cache (head dim 128): one decode row rotates, stores and attends in
-        one kernel; a prompt runs RoPE with the KV store in one launch, then the
-        flash attention. The f32 cache: rope, rope, attention."""
+        """The f16 cache (head dim 128): _rope_attention_f16. The f32 cache: rope,
+        rope, attention."""
         if cache.k.dtype != cp.float16:
             return self.attention(self.rope(q, pos0), self.rope(k, pos0), v, cache, layer, pos0, out=out)
+        return self._rope_attention_f16(q, k, v, cache, layer, pos0, out=out)
+
+    def _rope_attention_f16(self, q, k, v, cache, layer: int, pos0, out=None, biases=(None, None, None)):
+        """One decode row rotates, stores and attends in one kernel; a prompt runs
+        the biases, RoPE, the KV store and q's rounding to f16 in one launch, then the
+        flash attention. A decode row takes no biases (its matvecs add them)."""
         self._check_heads(q, k)
         self._rope_check(q, pos0)
         kc, vc = cache.k[layer], cache.v[layer]
         if q.shape[0] == 1:
+            if any(b is not None for b in biases):
+                raise ValueError("decode attention: the q/k/v biases belong to the matvecs")
             return attention.decode_attention(q, kc, vc, pos0, out, new_kv=(k, v), cos_sin=self._cos_sin,
                                               neox=self.cfg.rope_neox)
-        q = attention.rope_store_kv_f16(q, k, v, kc, vc, self._cos_sin, pos0, self.cfg.rope_neox)
-        return attention.attend_f16(q, kc, vc, pos0, out=out)
+        q16 = attention.rope_store_kv_f16(q, k, v, kc, vc, self._cos_sin, pos0, self.cfg.rope_neox,
+                                          q_out=cp.empty(q.shape, cp.float16), biases=biases)
+        return attention.flash_attention(q16, kc, vc, pos_value(pos0), out=out)
 
     def _check_heads(self, q, k) -> None:
         cfg = self.cfg

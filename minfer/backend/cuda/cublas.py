@@ -79,8 +79,9 @@ def _handle() -> _Handle:
     return _Handle()
 
 
-def gemm_f16(x16, w16, out):
+def gemm_f16(x16, w16, out, accumulate: bool = False):
     """x16 (T, K) f16 @ w16 (N, K)^T -> out (T, N) f32 or f16; f32 accumulation.
+    accumulate: out += the product (beta = 1: the residual add in the GEMM's store).
 
     Row-major trick: out^T (N, T) in column-major is out (T, N) in row-major, and
     out^T = W X^T where W (N, K) row-major is the column-major (K, N) matrix with
@@ -100,6 +101,6 @@ def gemm_f16(x16, w16, out):
     _ok(h.lib.cublasGemmEx(h.ptr, CUBLAS_OP_T, CUBLAS_OP_N, N, T, n,
                            ctypes.byref(_ONE), w16.data.ptr, CUDA_R_16F, n,
                            x16.data.ptr, CUDA_R_16F, n,
-                           ctypes.byref(_ZERO), out.data.ptr, c_type, N,
+                           ctypes.byref(_ONE if accumulate else _ZERO), out.data.ptr, c_type, N,
                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP), "cublasGemmEx")
     return out

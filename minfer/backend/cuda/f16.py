@@ -4,7 +4,8 @@
                                              through its W_exp plane -> W16 (n_out, n_in) f16
     cast_f16         kernels/dequant_f16.cu  f32 -> f16 (round to nearest even), 4 per thread
     swiglu_f16       kernels/dequant_f16.cu  silu(gate) * up on f16, computed in f32
-    linear_f16_from  dequant_f16 + cublas.gemm_f16 [+ bias]: xh f16 (T, n_in) @ W^T
+    linear_f16_from  dequant_f16 + gemm_w16: xh f16 (T, n_in) @ W^T
+    gemm_w16         cublas.gemm_f16 [+ bias] on an f16 weight (the scratch, or a kept copy)
 
 Numerics: a dequantized weight is the f32 value of the NumPy reference rounded
 once to f16 (the kernels equal np.float16(dequantize_rows(...)) bit for bit);
@@ -118,9 +119,21 @@ def linear_f16_from(xh, raw, qtype, n_out: int, n_in: int, out=None, w16=None, w
     input (q/k/v, gate/up) share one xh."""
     if xh.ndim != 2 or xh.shape[1] != n_in:
         raise ValueError(f"linear_f16: x16 has shape {xh.shape}, expected (T, {n_in})")
+    return gemm_w16(xh, dequant_f16(raw, qtype, n_out, n_in, w16, w_exp), out, bias)
+
+
+def gemm_w16(xh, w16, out=None, bias=None, accumulate: bool = False):
+    """xh (T, n_in) f16 @ w16 (n_out, n_in)^T f16 [+ bias] -> (T, n_out) f32 (or f16
+    when out is f16); accumulate: out += the product (out holds the residual)."""
+    n_out = w16.shape[0]
+    if accumulate and bias is not None:
+        raise ValueError("gemm_w16: a bias with accumulate would add in another order than "
+                         "(x @ W^T + bias) + addend")
     if out is None:
+        if accumulate:
+            raise ValueError("gemm_w16: accumulate needs an out holding the addend")
         out = cp.empty((xh.shape[0], n_out), dtype=cp.float32)                    # (T, n_out)
-    gemm_f16(xh, dequant_f16(raw, qtype, n_out, n_in, w16, w_exp), out)
+    gemm_f16(xh, w16, out, accumulate)
     if bias is not None:
         if out.dtype != cp.float32:
             raise ValueError("linear_f16: a bias needs a float32 out")

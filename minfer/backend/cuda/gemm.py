@@ -12,15 +12,19 @@
                                     -> f16 engine: W dequantized into an f16 scratch
                                        (q6_K: from its W_exp plane when it has one),
                                        one cuBLAS GEMM, f32 accumulation  q4k_f16 / q6k_f16 / q4_0_f16 ...
+                                       (with settings.f16_weights, the GEMM reads the f16 copy
+                                       kept since load instead: nothing dequantized)
 
 A q6_K GEMM on either engine also counts where its B operand came from:
 `q6k exp` (the W_exp plane: the fast path), `q6k exp=off` (planes deliberately
 off), `q6k fallback!` (a plane was expected and is missing), `q6k raw` (a q6_K
-tensor the bundle does not cover).
+tensor the bundle does not cover), `q6k f16 kept` (the f16 copy of
+settings.f16_weights, made at load from the plane where there is one).
 """
 from __future__ import annotations
 
 import atexit
+import math
 import sys
 from dataclasses import dataclass
 
@@ -35,7 +39,7 @@ from .weights import GpuWeight, WeightStore
 _PREFIX = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q5_0: "q5_0",
            QT.Q5_1: "q5_1", QT.Q8_0: "q8_0", QT.Q5_K: "q5k"}
 COUNTERS = (("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
-             "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw",
+             "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw", "q6k f16 kept",
              "q4k_mv", "q6k_mv", "f32_gemm")
             + tuple(f"{p}_{e}" for t, p in _PREFIX.items() if t not in int8.MMQ_TYPES
                     for e in ("f16", "mv")))
@@ -45,17 +49,19 @@ COUNTERS = (("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
 class GemmPath:
     engine: str                 # "f32", "matvec", "f16" or "mmq"
     counter: str                # the launch counter of the engine
-    b_source: str | None        # q6_K on f16/mmq: "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw"
+    b_source: str | None        # q6_K on f16/mmq: "q6k exp", "q6k exp=off", "q6k fallback!",
+                                #   "q6k raw", "q6k f16 kept"
 
     @property
     def reads_plane(self) -> bool:
         return self.b_source == "q6k exp"
 
 
-def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool) -> GemmPath:
+def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
+              has_f16: bool = False) -> GemmPath:
     """The path of x (T, n_in) @ w^T, from the token count, the weight (type, table or
-    not, covered by the W_exp bundle or not), the settings and whether a plane is
-    registered for it. Pure: same arguments, same path."""
+    not, covered by the W_exp bundle or not), the settings, whether a plane is
+    registered for it and whether an f16 copy is kept. Pure: same arguments, same path."""
     if w.qtype == QT.F32:
         return GemmPath("f32", "f32_gemm", None)
     if w.qtype not in _PREFIX:
@@ -68,7 +74,9 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool) -> 
     engine = "mmq" if mmq else "f16"
     source = None
     if w.qtype == QT.Q6_K:
-        if not w.plane_tensor:
+        if engine == "f16" and has_f16:
+            source = "q6k f16 kept"
+        elif not w.plane_tensor:
             source = "q6k raw"
         elif not settings.use_planes:
             source = "q6k exp=off"
@@ -114,15 +122,18 @@ class Gemms:
         self.settings = settings                 # replaced by CUDABackend.using
         self.counters = Counters(settings.report_counts)
         self._q8 = [None, None]                  # two slots of (q int8, d f32, s f32), flat
-        self._f16 = None                         # (x16, w16) f16, flat
+        self._f16x = None                        # f16 activations, flat
+        self._f16w = None                        # f16 weight (dequantized per GEMM), flat
 
     def path(self, T: int, w: GpuWeight) -> GemmPath:
-        return gemm_path(T, w, self.settings, self.store.plane_of(w) is not None)
+        return gemm_path(T, w, self.settings, self.store.plane_of(w) is not None,
+                         self.store.f16_of(w) is not None)
 
     def linear(self, x, w: GpuWeight, bias=None, out=None, residual=None):
         """x f32 (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] [+ residual (T, n_out)]
-        -> f32 (T, n_out). The matvec adds the residual in its store; the other engines
-        add it after the GEMM (residual + y, the order of the unfused graph)."""
+        -> f32 (T, n_out). The residual is consumed: the matvec adds it in its store,
+        the f16 engine's GEMM accumulates into it (beta = 1: residual + y rounded
+        once, as the add); the other engines add it after the GEMM."""
         if x.ndim != 2 or x.shape[1] != w.n_in:
             raise MinferError(f"linear {w.name}: input shape {tuple(x.shape)} does not match "
                               f"the weight's {w.n_in} inputs")
@@ -131,6 +142,8 @@ class Gemms:
         if p.engine == "matvec":
             q8 = int8.quantize_q8_1(x, *self._q8_scratch(0, T, w.n_in))
             return self._matvecs(q8, (w,), (bias,), (residual,), (out,))[0]
+        if p.engine == "f16" and self._accumulates(residual, bias, out, (T, w.n_out)):
+            return self._f16_linears(x, (w,), (None,), (residual,), accumulate=True)[0]
         if p.engine == "f16":
             y = self._f16_linears(x, (w,), (bias,), (out,))[0]
         else:
@@ -168,6 +181,9 @@ class Gemms:
         if x.shape[0] == 1 and self._all_matvec(x, ws):
             q8 = int8.rmsnorm_q8_1(x, norm_w, eps, *self._q8_scratch(0, 1, x.shape[1]))
             return self._matvecs(q8, ws, biases)
+        if self.all_f16(x, ws):                  # the norm writes the f16 operand itself
+            xh = ops.rmsnorm(x, norm_w, eps, out=self._x16(x.shape), dtype=cp.float16)
+            return [self._f16_gemm(xh, w, bias=b) for w, b in zip(ws, biases)]
         return self.linears(ops.rmsnorm(x, norm_w, eps), ws, biases)
 
     def ffn(self, x, norm_w, eps: float, gate: GpuWeight, up: GpuWeight, down: GpuWeight):
@@ -182,15 +198,27 @@ class Gemms:
             g, u = self._matvecs(q8, (gate, up), (None, None))
             h8 = int8.swiglu_q8_1(g, u, *self._q8_scratch(1, 1, d_ff))
             return self._matvecs(h8, (down,), (None,), (x,))[0]
+        if self.ffn_fused(T, gate, up, down):    # x consumed: down accumulates into it
+            return self.ffn_f16(ops.rmsnorm(x, norm_w, eps, out=self._x16(x.shape), dtype=cp.float16),
+                                gate, up, down, residual=x)
         h = ops.rmsnorm(x, norm_w, eps)
-        if self.ffn_fused(T, gate, up, down):
-            y = self.ffn_f16(h, gate, up, down)
-        else:
-            y = self.linear(ops.swiglu(*self.linears(h, (gate, up), (None, None))), down)
+        y = self.linear(ops.swiglu(*self.linears(h, (gate, up), (None, None))), down)
         return ops.add(x, y, out=y)
 
     def _all_matvec(self, x, ws) -> bool:
         return all(w.n_in == x.shape[1] and self.path(1, w).engine == "matvec" for w in ws)
+
+    def all_f16(self, x, ws) -> bool:
+        """Do all of ws take the f16 engine for x's rows?"""
+        return all(w.n_in == x.shape[1] and self.path(x.shape[0], w).engine == "f16" for w in ws)
+
+    @staticmethod
+    def _accumulates(residual, bias, out, shape) -> bool:
+        """Can the f16 GEMM add the residual in its store (beta = 1)? Only without a bias
+        (y + bias first, then the residual, is another order) or an out of the caller's."""
+        return (residual is not None and bias is None and out is None
+                and residual.dtype == cp.float32 and residual.flags.c_contiguous
+                and tuple(residual.shape) == shape)
 
     def _matvecs(self, q8, ws, biases, residuals=None, outs=None) -> list:
         """q8_1 x (1, K) @ each weight -> [y (1, n_out)]: weights of one K split whose
@@ -222,29 +250,35 @@ class Gemms:
         return (self.settings.ffn_f16 and gate.n_out == up.n_out == down.n_in
                 and all(self.path(T, w).engine == "f16" for w in (gate, up, down)))
 
-    def ffn_f16(self, h, gate: GpuWeight, up: GpuWeight, down: GpuWeight):
-        """h f32 (T, d) -> down(silu(gate h) * up h) f32 (T, d) with the (T, d_ff)
-        intermediates in f16: gate/up write f16, swiglu reads and writes f16, the
-        down GEMM reads it (no f32 round trip)."""
+    def ffn_f16(self, h, gate: GpuWeight, up: GpuWeight, down: GpuWeight, residual=None):
+        """h (T, d) f32, or f16 already rounded -> down(silu(gate h) * up h) f32 (T, d)
+        with the (T, d_ff) intermediates in f16: gate/up write f16, swiglu reads and
+        writes f16, the down GEMM reads it (no f32 round trip). With a residual, the
+        down GEMM accumulates into it (consumed) and returns it."""
         T, d_ff = h.shape[0], gate.n_out
-        x16, w16 = self._f16_scratch(T * max(h.shape[1], d_ff))
-        xh = f16.cast_f16(h, x16[:h.size].reshape(h.shape))                     # (T, d)
-        gu = [self._f16_gemm(xh, w, w16, out=cp.empty((T, d_ff), cp.float16))   # (T, d_ff)
+        xh = h if h.dtype == cp.float16 else f16.cast_f16(h, self._x16(h.shape))   # (T, d)
+        gu = [self._f16_gemm(xh, w, out=cp.empty((T, d_ff), cp.float16))           # (T, d_ff)
               for w in (gate, up)]
-        f = f16.swiglu_f16(*gu, out=x16)                                         # (T, d_ff)
-        return self._f16_gemm(f, down, w16)
+        f = f16.swiglu_f16(*gu, out=self._x16((T, d_ff)))                          # (T, d_ff)
+        if self._accumulates(residual, None, None, (T, down.n_out)):
+            return self._f16_gemm(f, down, out=residual, accumulate=True)
+        y = self._f16_gemm(f, down)
+        return y if residual is None else ops.add(residual, y, out=y)
 
-    def _f16_linears(self, x, ws, biases, outs):
-        x16, w16 = self._f16_scratch(x.size)
-        xh = f16.cast_f16(x, x16[:x.size].reshape(x.shape))                     # (T, n_in)
-        return [self._f16_gemm(xh, w, w16, out=o, bias=b) for w, b, o in zip(ws, biases, outs)]
+    def _f16_linears(self, x, ws, biases, outs, accumulate: bool = False):
+        xh = f16.cast_f16(x, self._x16(x.shape))                                   # (T, n_in)
+        return [self._f16_gemm(xh, w, out=o, bias=b, accumulate=accumulate)
+                for w, b, o in zip(ws, biases, outs)]
 
-    def _f16_gemm(self, xh, w: GpuWeight, w16, out=None, bias=None):
+    def _f16_gemm(self, xh, w: GpuWeight, out=None, bias=None, accumulate: bool = False):
+        """xh f16 @ W^T: the f16 copy kept since load, else W dequantized into the scratch."""
         p = self.path(xh.shape[0], w)
         self.counters.count(p)
-        plane = self.store.plane_of(w) if p.reads_plane else None
-        return f16.linear_f16_from(xh, w.data, w.qtype, w.n_out, w.n_in, out=out, w16=w16,
-                                   w_exp=plane, bias=bias)
+        w16 = self.store.f16_of(w)
+        if w16 is None:
+            plane = self.store.plane_of(w) if p.reads_plane else None
+            w16 = f16.dequant_f16(w.data, w.qtype, w.n_out, w.n_in, self._w16(), plane)
+        return f16.gemm_w16(xh, w16, out=out, bias=bias, accumulate=accumulate)
 
     def _q8_scratch(self, slot: int, T: int, n: int):
         """q8_1 buffers for x (T, n) in one of two slots (a decode step's FFN reads
@@ -257,19 +291,23 @@ class Gemms:
         return (q[:T * n].reshape(T, n), d[:T * n // 32].reshape(T, n // 32),
                 s[:T * n // 32].reshape(T, n // 32))
 
-    def _f16_scratch(self, n_x: int):
-        """f16 scratch: x16 (>= n_x) and w16 (the largest layer weight), grown when too small."""
-        x16, w16 = self._f16 if self._f16 is not None else (None, None)
-        if x16 is None or x16.size < n_x:
-            x16 = cp.empty(n_x, cp.float16)                             # (T*n_in,)
-        if w16 is None or w16.size < self.store.f16_elems:
-            w16 = cp.empty(self.store.f16_elems, cp.float16)            # (n_out*n_in,) of the largest
-        self._f16 = (x16, w16)
-        return self._f16
+    def _x16(self, shape):
+        """The f16 activation scratch as `shape` (grown when too small): the rounded x
+        of a GEMM, or the SwiGLU output its down GEMM reads."""
+        n = math.prod(shape)
+        if self._f16x is None or self._f16x.size < n:
+            self._f16x = cp.empty(n, cp.float16)                        # (T*n_in,)
+        return self._f16x[:n].reshape(shape)
+
+    def _w16(self):
+        """The f16 weight scratch (the largest layer weight the f16 engine dequantizes)."""
+        if self._f16w is None or self._f16w.size < self.store.f16_elems:
+            self._f16w = cp.empty(self.store.f16_elems, cp.float16)     # (n_out*n_in,) of the largest
+        return self._f16w
 
     def scratch(self) -> tuple:
         """The scratch buffers now in use (a captured graph keeps them alive)."""
-        return (tuple(self._q8), self._f16)
+        return (tuple(self._q8), self._f16x, self._f16w)
 
     def scratch_bytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self._f16 or ()))
+        return sum(int(a.nbytes) for a in (self._f16x, self._f16w) if a is not None)

@@ -22,15 +22,17 @@ def rope_table(n_pos: int, hd: int, base: float, factors: np.ndarray | None = No
     return np.stack([np.cos(theta), np.sin(theta)], axis=-1).astype(np.float32)
 
 
-def rmsnorm(x, w, eps: float, out=None):
-    """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w  (T, d)"""
+def rmsnorm(x, w, eps: float, out=None, dtype=None):
+    """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w  (T, d), f32; dtype=float16
+    rounds each value once to f16 (the f16 engine's operand, written directly)"""
     check(x, "rmsnorm x", cp.float32, ndim=2)
     T, d = x.shape
     check(w, "rmsnorm w", cp.float32, (d,))
-    y = out_array(out, (T, d), "rmsnorm out")                                # (T, d)
+    half = dtype is not None and np.dtype(dtype) == np.float16
+    y = out_array(out, (T, d), "rmsnorm out", cp.float16 if half else None)    # (T, d)
     if T:
-        kernel("norm.cu", "rmsnorm_f32")((T,), (K["NORM_THREADS"],),
-                                         (x, w, y, np.int32(d), np.float32(eps)))
+        kernel("norm.cu", "rmsnorm_f16" if half else "rmsnorm_f32")(
+            (T,), (K["NORM_THREADS"],), (x, w, y, np.int32(d), np.float32(eps)))
     return y
 
 

@@ -8,6 +8,9 @@ graph's cache key.
     MINFER_MMQ_Q6K_EXP=0          register no W_exp planes (buys back ~1.52 GB on the 7B);
                                   every q6_K GEMM counts `q6k exp=off`
     MINFER_FFN_F16=0              keep the FFN's (T, d_ff) intermediates in f32
+    MINFER_F16_WEIGHTS=1          opt-in: keep an f16 copy of every layer weight the f16
+                                  engine reads, made at load (2 bytes a weight: ~13 GB on
+                                  the 7B), so a prefill GEMM dequantizes nothing
     MINFER_CUDA_GRAPHS=0          never capture the decoder layers (every prefill eager)
     MINFER_MMQ_RAW_NB_DEBUG=1     print the launch-path counters at exit
     MINFER_TEST_FORCE_EXP_MISS=1  tests only: every W_exp registration fails
@@ -31,6 +34,7 @@ class CudaSettings:
     exp_enabled: bool = True       # GEMMs use the registered planes (an A/B toggle at run time)
     f16_min_t: int = F16_GEMM_MIN_T
     ffn_f16: bool = True           # fused f16 FFN (MINFER_FFN_F16)
+    f16_weights: bool = False      # f16 copies of the f16 engine's weights, made at load (MINFER_F16_WEIGHTS)
     graphs: bool = True            # CUDA graphs of the decoder layers (MINFER_CUDA_GRAPHS)
     report_counts: bool = False    # launch-path counters printed at exit (MINFER_MMQ_RAW_NB_DEBUG)
     force_exp_miss: bool = False   # simulate a failed plane registration (MINFER_TEST_FORCE_EXP_MISS)
@@ -39,6 +43,7 @@ class CudaSettings:
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "CudaSettings":
         return cls(exp_planes=env.get("MINFER_MMQ_Q6K_EXP", "1") != "0",
                    ffn_f16=env.get("MINFER_FFN_F16", "1") != "0",
+                   f16_weights=env.get("MINFER_F16_WEIGHTS") == "1",
                    graphs=env.get("MINFER_CUDA_GRAPHS", "1") != "0",
                    report_counts=env.get("MINFER_MMQ_RAW_NB_DEBUG") == "1",
                    force_exp_miss=env.get("MINFER_TEST_FORCE_EXP_MISS") == "1")

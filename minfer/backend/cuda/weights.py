@@ -11,6 +11,10 @@ int8 form of the weight, unless the settings turn planes off:
   (what a launch holds), never by the plane's own pointer;
 - a registration failure leaves that key out, warns loudly once per process,
   and the weight's GEMMs count `q6k fallback!`.
+With the opt-in MINFER_F16_WEIGHTS=1 (settings.f16_weights), every weight the
+f16 engine reads also keeps an f16 copy made at load (from its plane when it
+has one: the values the per-GEMM dequantization gives), keyed by the same
+pointer; the f16 engine's GEMMs then read it instead of dequantizing.
 The planes' allocated bytes are checked against the sum of od x id over the
 GGUF tensor table (`expected_plane_bytes`), an inventory independent of the
 planes themselves.
@@ -27,6 +31,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ... import quants
 from ...errors import MinferError
+from . import f16
 from .int8 import MMQ_TYPES, Q32_TYPES, ROW_KERNELS
 from .launch import cp
 from .q6k_layout import expand_q6k_dense, pad_q6k
@@ -108,6 +113,7 @@ class WeightStore:
         self.planes: dict[str, object] = {}       # "{name}__exp{od}x{id}" -> int8 (od, id) plane
         self.by_ptr: dict[int, object] = {}       # padded weight device pointer -> its plane
         self.bytes = {"q4_K weights": 0, "q6_K padded": 0, "other": 0}
+        self.f16: dict[int, object] = {}          # weight device pointer -> its f16 copy (f16_weights)
         self.f16_elems = 0                        # elements of the largest weight the f16 engine takes
 
     def register(self, name: str, info, raw: np.ndarray) -> GpuWeight:
@@ -140,7 +146,18 @@ class WeightStore:
             self.f16_elems = max(self.f16_elems, n_out * n_in)
         if w.plane_tensor and self.settings.exp_planes:
             self._register_plane(w, host)
+        if self.settings.f16_weights and w.on_f16_engine and not w.table:
+            self._keep_f16(w)
         return w
+
+    def _keep_f16(self, w: GpuWeight) -> None:
+        """The f16 copy of a weight (settings.f16_weights): the f16 engine's own
+        dequantization, once, into an array of its own."""
+        w16 = f16.dequant_f16(w.data, w.qtype, w.n_out, w.n_in,
+                              out=cp.empty(w.n_out * w.n_in, cp.float16), w_exp=self.plane_of(w))
+        self.f16[w.ptr] = w16                                             # (n_out, n_in)
+        self.bytes["f16 weights"] = self.bytes.get("f16 weights", 0) + w16.nbytes
+        weakref.finalize(w, self._forget_f16, w.ptr, w16)
 
     def _register_plane(self, w: GpuWeight, padded_host: np.ndarray) -> None:
         exp_name = f"{w.name}__exp{w.n_out}x{w.n_in}"
@@ -169,6 +186,15 @@ class WeightStore:
             del self.by_ptr[ptr]
         if self.planes.get(exp_name) is plane:
             del self.planes[exp_name]
+
+    def _forget_f16(self, ptr: int, w16) -> None:
+        if self.f16.get(ptr) is w16:
+            del self.f16[ptr]
+            self.bytes["f16 weights"] -= w16.nbytes
+
+    def f16_of(self, w: GpuWeight):
+        """The f16 copy kept for w (settings.f16_weights), or None."""
+        return self.f16.get(w.ptr)
 
     def plane_of(self, w: GpuWeight):
         """The W_exp plane registered for w (looked up by its padded pointer), or None."""
