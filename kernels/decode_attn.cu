@@ -216,10 +216,13 @@ attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restri
     }
 }
 
-// part (n_head, n_split, DEC_PART) -> o (n_head * 128) f32, merging the splits that
-// hold keys 0..p; grid = n_head, block = FA_HD
+// part (n_head, n_split, DEC_PART) -> o (n_head * 128) f32 and/or its q8_1 form
+// oq, od, os (the o projection's operand: quantize_q8_1's bits, a warp per block of
+// 32), merging the splits that hold keys 0..p; either output nullable;
+// grid = n_head, block = FA_HD
 extern "C" __global__ void __launch_bounds__(FA_HD)
-attn_decode_combine(const float* __restrict__ part, float* __restrict__ o, int n_split, int pos0,
+attn_decode_combine(const float* __restrict__ part, float* __restrict__ o, i8* __restrict__ oq,
+                    float* __restrict__ od, float* __restrict__ os, int n_split, int pos0,
                     const int* __restrict__ pos_dev) {
     const int used = min(n_split, ((pos_dev ? *pos_dev : pos0) + DEC_CHUNK) / DEC_CHUNK);
     const float* p = part + (size_t)blockIdx.x * n_split * DEC_PART;
@@ -232,5 +235,10 @@ attn_decode_combine(const float* __restrict__ part, float* __restrict__ o, int n
         L += p[s * DEC_PART + 1] * c;
         A += p[s * DEC_PART + 2 + d] * c;
     }
-    o[(size_t)blockIdx.x * FA_HD + d] = A / L;
+    const float y = A / L;
+    if (o) o[(size_t)blockIdx.x * FA_HD + d] = y;
+    if (oq) {
+        const size_t g = (size_t)blockIdx.x * (FA_HD / QK8_1) + d / QK8_1;
+        q8_1_block(y, d % QK8_1, oq + g * QK8_1, od + g, os + g);
+    }
 }

@@ -7,12 +7,18 @@
 
 #include "common.cuh"
 
-// 1 / sqrt(mean(xr^2) + eps) of one row, every thread of the block gets it
-__device__ __forceinline__ float row_scale(const float* __restrict__ xr, int d, float eps) {
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += NORM_THREADS) ss += xr[i] * xr[i];
-    ss = warp_sum(ss);
+// A row's elements held per thread: thread t owns elements t + NORM_THREADS * j
+// (j < NORM_PER) of x and w, loaded together at the start, so the weight's loads
+// (cold, from DRAM) overlap the row's, and the output pass reads registers; every
+// output pass (f32, f16, q8_1) visits those same elements. Longer rows than
+// NORM_THREADS * NORM_PER go through the loops of row_scale_loop. 4: rows up to
+// 4,096 (the 7B's 3,584) at 32 registers a thread, two blocks an SM; 8 spilled.
+#define NORM_PER 4
 
+// 1 / sqrt(mean(xr^2) + eps) of one row from each thread's partial sum of squares
+// (its elements in index order), every thread of the block gets it
+__device__ __forceinline__ float block_scale(float ss, int d, float eps) {
+    ss = warp_sum(ss);
     __shared__ float part[NORM_THREADS / 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) part[warp] = ss;
@@ -27,6 +33,30 @@ __device__ __forceinline__ float row_scale(const float* __restrict__ xr, int d, 
     return 1.0f / sqrtf(part[0] / (float)d + eps);
 }
 
+// this thread's elements of xr and w (zero past d) -> the row's scale
+__device__ __forceinline__ float row_scale_regs(const float* __restrict__ xr, const float* __restrict__ w,
+                                                int d, float eps, float (&xv)[NORM_PER],
+                                                float (&wv)[NORM_PER]) {
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j) {
+        const int i = threadIdx.x + j * NORM_THREADS;
+        xv[j] = i < d ? xr[i] : 0.0f;
+        wv[j] = i < d ? w[i] : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_PER; ++j)
+        if (threadIdx.x + j * NORM_THREADS < d) ss += xv[j] * xv[j];
+    return block_scale(ss, d, eps);
+}
+
+// the same scale for rows of any length, reading xr in a loop
+__device__ __forceinline__ float row_scale_loop(const float* __restrict__ xr, int d, float eps) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += NORM_THREADS) ss += xr[i] * xr[i];
+    return block_scale(ss, d, eps);
+}
+
 // x (rows, d), w (d,) -> y (rows, d); grid = rows, block = NORM_THREADS
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
@@ -34,19 +64,43 @@ rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
     const size_t row = blockIdx.x;
     const float* xr = x + row * (size_t)d;
     float* yr = y + row * (size_t)d;
-    const float scale = row_scale(xr, d, eps);
+    if (d <= NORM_THREADS * NORM_PER) {
+        float xv[NORM_PER], wv[NORM_PER];
+        const float scale = row_scale_regs(xr, w, d, eps, xv, wv);
+#pragma unroll
+        for (int j = 0; j < NORM_PER; ++j) {
+            const int i = threadIdx.x + j * NORM_THREADS;
+            if (i < d) yr[i] = xv[j] * scale * wv[j];
+        }
+        return;
+    }
+    const float scale = row_scale_loop(xr, d, eps);
     for (int i = threadIdx.x; i < d; i += NORM_THREADS) yr[i] = xr[i] * scale * w[i];
 }
 
 // x (rows, d), w (d,) -> the normed rows as q8_1: q (rows, d) int8, qd, qs (rows, d/32);
-// d a multiple of 32; grid = rows, block = NORM_THREADS (a warp per block of 32)
+// d a multiple of 32; grid = rows, block = NORM_THREADS (a warp per block of 32:
+// warp w's blocks w + 32 j hold exactly its threads' elements)
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_q8_1(const float* __restrict__ x, const float* __restrict__ w, i8* __restrict__ q,
              float* __restrict__ qd, float* __restrict__ qs, int d, float eps) {
     const size_t row = blockIdx.x;
     const float* xr = x + row * (size_t)d;
-    const float scale = row_scale(xr, d, eps);
     const int lane = threadIdx.x & 31, nb = d / QK8_1;
+    if (d <= NORM_THREADS * NORM_PER) {
+        float xv[NORM_PER], wv[NORM_PER];
+        const float scale = row_scale_regs(xr, w, d, eps, xv, wv);
+#pragma unroll
+        for (int j = 0; j < NORM_PER; ++j) {
+            const int b = threadIdx.x / 32 + j * (NORM_THREADS / 32);     // warp-uniform
+            if (b < nb) {
+                const size_t g = row * nb + b;
+                q8_1_block(xv[j] * scale * wv[j], lane, q + g * QK8_1, qd + g, qs + g);
+            }
+        }
+        return;
+    }
+    const float scale = row_scale_loop(xr, d, eps);
     for (int b = threadIdx.x / 32; b < nb; b += NORM_THREADS / 32) {
         const int i = b * QK8_1 + lane;
         const size_t g = row * nb + b;
@@ -63,6 +117,16 @@ rmsnorm_f16(const float* __restrict__ x, const float* __restrict__ w,
     const size_t row = blockIdx.x;
     const float* xr = x + row * (size_t)d;
     u16* yr = y + row * (size_t)d;
-    const float scale = row_scale(xr, d, eps);
+    if (d <= NORM_THREADS * NORM_PER) {
+        float xv[NORM_PER], wv[NORM_PER];
+        const float scale = row_scale_regs(xr, w, d, eps, xv, wv);
+#pragma unroll
+        for (int j = 0; j < NORM_PER; ++j) {
+            const int i = threadIdx.x + j * NORM_THREADS;
+            if (i < d) yr[i] = (u16)f16_bits_rn(xv[j] * scale * wv[j]);
+        }
+        return;
+    }
+    const float scale = row_scale_loop(xr, d, eps);
     for (int i = threadIdx.x; i < d; i += NORM_THREADS) yr[i] = (u16)f16_bits_rn(xr[i] * scale * w[i]);
 }

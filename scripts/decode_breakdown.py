@@ -93,7 +93,6 @@ def main() -> int:
         for sp, segs in groups.items():
             key = ("qkv", sp, tuple(seg[0] for seg in segs))
             add("matvec q/k/v", key, lambda segs=segs: matvecs(*q8d, segs), n, sum(seg[1].nbytes for seg in segs))
-        add("quantize q8_1 (attn out)", "quant", lambda: int8.quantize_q8_1(q.reshape(1, -1)), n)
         add("matvec o (+residual)", ("o", to), lambda: matvec(to, *a8, w(to, d, cfg.n_head * hd), d, res=x), n,
             w(to, d, cfg.n_head * hd).nbytes)
         segs = [(tg, w(tg, ff, d), ff, None, None, None), (tu, w(tu, ff, d), ff, None, None, None)]
@@ -117,9 +116,9 @@ def main() -> int:
     for depth in depths:
         pos = DevicePos(depth, cp.asarray([depth], cp.int32))
         att = graph_ms(cp, lambda: attention.decode_attention(q, kc, vc, pos, new_kv=(k, k), cos_sin=table,
-                                                              neox=cfg.rope_neox)) * 1e3 * cfg.n_layer
+                                                              neox=cfg.rope_neox, q8=a8)) * 1e3 * cfg.n_layer
         total = base + att
-        rows = sorted({**times, f"attention + RoPE + KV store, combine @ {depth}": att}.items(),
+        rows = sorted({**times, f"attention + RoPE + KV store, combine to q8_1 @ {depth}": att}.items(),
                       key=lambda r: -r[1])
         print(f"\n| kernel family @ context {depth} | us/step | share | launches | GB/s |")
         print("| --- | ---: | ---: | ---: | ---: |")

@@ -6,6 +6,7 @@
     rope_store_kv_f16   == rope(q), rope(k), store_kv_f16(k, v); with the q/k/v biases
                            and q to f16 == the bias adds, then those, then cast_f16(q)
     rmsnorm (f16 out)   == cast_f16(rmsnorm(x))
+    decode attention with the q8_1 output == quantize_q8_1(decode attention)
     f16 GEMM accumulating into the residual ~= residual + GEMM (cuBLAS may take
                            another kernel for beta = 1: a tolerance of f32 sums)
 
@@ -179,6 +180,24 @@ def test_decode_attention_with_rope_equals_rope_store_then_attention(cp, pos, n_
     assert np.isfinite(cp.asnumpy(got)).all()
     assert _same(cp.asnumpy(got), cp.asnumpy(want))
     assert _same(cp.asnumpy(kc), cp.asnumpy(kc_w)) and _same(cp.asnumpy(vc), cp.asnumpy(vc_w))
+
+
+@pytest.mark.parametrize("pos,n_ctx", [(0, 70), (130, 300)])
+def test_decode_attention_q8_output_equals_attention_then_quantize(cp, pos, n_ctx):
+    """The combine writing the o projection's q8_1 operand: quantize_q8_1 of the f32
+    output, bit for bit (one split and several)."""
+    from minfer.backend.cuda import attention, int8
+    rng = np.random.default_rng([pos, n_ctx, 8])
+    n_head, n_kv, hd = 28, 4, 128
+    q = cp.asarray((rng.standard_normal((1, n_head, hd)) * 2).astype(np.float32))
+    kc, vc = (cp.asarray(rng.standard_normal((n_ctx, n_kv, hd)).astype(np.float16)) for _ in range(2))
+    want = int8.quantize_q8_1(attention.decode_attention(q, kc, vc, pos))
+    got = (cp.full((1, n_head * hd), 77, cp.int8), cp.full((1, n_head * hd // 32), np.nan, cp.float32),
+           cp.full((1, n_head * hd // 32), np.nan, cp.float32))
+    assert attention.decode_attention(q, kc, vc, pos, q8=got) is got
+    _q8_equal(cp, got, want)
+    with pytest.raises(ValueError, match="one output"):
+        attention.decode_attention(q, kc, vc, pos, out=cp.empty((1, n_head * hd), cp.float32), q8=got)
 
 
 @pytest.mark.parametrize("T,K", [(2, 96), (5, 1536), (3, 3584), (2, 8960)])

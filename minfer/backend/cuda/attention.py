@@ -117,12 +117,16 @@ def _flash_kernel(device_id: int):
     return fn
 
 
-def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=None, neox: bool = True):
+def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=None, neox: bool = True,
+                     q8=None):
     """One query row: q (1, n_head, 128) f32; k_cache, v_cache (n_ctx, n_kv, 128) f16
     holding positions 0..pos (an int or a launch.DevicePos) -> out (1, n_head*128) f32.
     With new_kv = (k, v) (1, n_kv, 128) f32 and the RoPE table cos_sin: q and k come
     un-rotated, and the kernel rotates them and stores k and v at row pos itself
-    (the values of rope_store_kv_f16 then decode_attention, in one launch fewer)."""
+    (the values of rope_store_kv_f16 then decode_attention, in one launch fewer).
+    With q8 = (q int8 (1, n), d, s f32 (1, n/32)), n = n_head*128: the output goes
+    there as q8_1 instead (quantize_q8_1's bits: the o projection's operand, one
+    launch fewer) and q8 is returned."""
     check(q, "decode_attention q", cp.float32, ndim=3, align16=True)
     if q.shape[0] != 1 or q.shape[2] != FA_HD:
         raise ValueError(f"decode_attention: q has shape {q.shape}, expected (1, n_head, {FA_HD})")
@@ -143,7 +147,17 @@ def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=No
             raise ValueError(f"decode_attention: RoPE table {cos_sin.shape} does not cover position "
                              f"{pos_value(pos)} at head dim {FA_HD}")
         rope_args = (*new_kv, cos_sin, np.int32(bool(neox)))
-    out = out_array(out, (1, n_head * FA_HD), "decode_attention out", align16=True)
+    n = n_head * FA_HD
+    if q8 is not None:
+        if out is not None:
+            raise ValueError("decode_attention: one output, f32 (out) or q8_1 (q8)")
+        for a, nm, shape, dt in zip(q8, "qds", ((1, n), (1, n // 32), (1, n // 32)),
+                                    (cp.int8, cp.float32, cp.float32)):
+            check(a, f"decode_attention q8 {nm}", dt, shape)
+        outs = (NULL, *q8)
+    else:
+        out = out_array(out, (1, n), "decode_attention out", align16=True)
+        outs = (out, NULL, NULL, NULL)
     n_split = blocks_1d(n_ctx, K["DEC_CHUNK"])                          # the whole cache
     part = cp.empty((n_head, n_split, FA_HD + 2), cp.float32)           # (n_head, splits, 130)
     kernel("decode_attn.cu", "attn_decode_f16")(
@@ -151,8 +165,8 @@ def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=No
         (q, k_cache, v_cache, part, np.int32(n_head), np.int32(n_kv), np.int32(n_split), *pos_args(pos),
          np.float32(_SCALE_LOG2), *rope_args))
     kernel("decode_attn.cu", "attn_decode_combine")((n_head,), (FA_HD,),
-                                                    (part, out, np.int32(n_split), *pos_args(pos)))
-    return out
+                                                    (part, *outs, np.int32(n_split), *pos_args(pos)))
+    return out if q8 is None else q8
 
 
 def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out=None,

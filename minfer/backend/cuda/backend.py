@@ -201,17 +201,27 @@ class CUDABackend(Backend):
             raise ValueError(f"rope: head dim {x.shape[-1]}, model has {self.cfg.head_dim}")
 
     def attention_block(self, x, norm_w, eps: float, wq, wk, wv, biases, wo, cache, layer: int, pos0):
-        """A prompt on the f16 cache whose q/k/v take the f16 engine: the norm writes
-        the GEMMs' f16 operand, the q/k/v biases are added in the RoPE + KV-store
-        kernel (the same f32 sums), the o projection accumulates into x. Otherwise
-        (a decode row, whose matvecs add the biases; the f32 cache) the composition."""
+        """On the f16 cache. A decode row: norm_linears' fused launches, the attention
+        (RoPE and the KV store inside) with its combine writing the q8_1 operand of the
+        o projection, which adds x in its store. A prompt whose q/k/v take the f16
+        engine: the norm writes the GEMMs' f16 operand, the q/k/v biases are added in
+        the RoPE + KV-store kernel (the same f32 sums), the o projection accumulates
+        into x. Otherwise (the f32 cache, other engines) the composition."""
         T, cfg = x.shape[0], self.cfg
+        hd, n_out = cfg.head_dim, cfg.n_head * cfg.head_dim
+        if cache.k.dtype == cp.float16 and T == 1 and self.gemm.all_matvec(x, (wq, wk, wv)) \
+                and self.gemm.path(1, wo).engine == "matvec" and wo.n_in == n_out:
+            # a decode row: the attention's combine writes o's q8_1 operand itself
+            q, k, v = self.gemm.norm_linears(x, norm_w, eps, (wq, wk, wv), biases)
+            q8 = self._rope_attention_f16(q.reshape(1, cfg.n_head, hd), k.reshape(1, cfg.n_head_kv, hd),
+                                          v.reshape(1, cfg.n_head_kv, hd), cache, layer, pos0,
+                                          q8=self.gemm.q8_scratch(0, 1, n_out))
+            return self.gemm.linear_q8(q8, wo, residual=x)
         if not (T > 1 and cache.k.dtype == cp.float16 and self.gemm.all_f16(x, (wq, wk, wv))):
             return super().attention_block(x, norm_w, eps, wq, wk, wv, biases, wo, cache, layer, pos0)
         q, k, v = self.gemm.norm_linears(x, norm_w, eps, (wq, wk, wv), (None, None, None))
-        a = self._rope_attention_f16(q.reshape(T, cfg.n_head, cfg.head_dim),
-                                     k.reshape(T, cfg.n_head_kv, cfg.head_dim),
-                                     v.reshape(T, cfg.n_head_kv, cfg.head_dim), cache, layer, pos0,
+        a = self._rope_attention_f16(q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_head_kv, hd),
+                                     v.reshape(T, cfg.n_head_kv, hd), cache, layer, pos0,
                                      biases=biases)
         return self.gemm.linear(a, wo, residual=x)
 
@@ -222,9 +232,11 @@ class CUDABackend(Backend):
             return self.attention(self.rope(q, pos0), self.rope(k, pos0), v, cache, layer, pos0, out=out)
         return self._rope_attention_f16(q, k, v, cache, layer, pos0, out=out)
 
-    def _rope_attention_f16(self, q, k, v, cache, layer: int, pos0, out=None, biases=(None, None, None)):
-        """One decode row rotates, stores and attends in one kernel; a prompt runs
-        the biases, RoPE, the KV store and q's rounding to f16 in one launch, then the
+    def _rope_attention_f16(self, q, k, v, cache, layer: int, pos0, out=None, biases=(None, None, None),
+                            q8=None):
+        """One decode row rotates, stores and attends in one kernel (and its combine
+        writes the q8_1 form of the output into q8 when given); a prompt runs the
+        biases, RoPE, the KV store and q's rounding to f16 in one launch, then the
         flash attention. A decode row takes no biases (its matvecs add them)."""
         self._check_heads(q, k)
         self._rope_check(q, pos0)
@@ -233,7 +245,7 @@ class CUDABackend(Backend):
             if any(b is not None for b in biases):
                 raise ValueError("decode attention: the q/k/v biases belong to the matvecs")
             return attention.decode_attention(q, kc, vc, pos0, out, new_kv=(k, v), cos_sin=self._cos_sin,
-                                              neox=self.cfg.rope_neox)
+                                              neox=self.cfg.rope_neox, q8=q8)
         q16 = attention.rope_store_kv_f16(q, k, v, kc, vc, self._cos_sin, pos0, self.cfg.rope_neox,
                                           q_out=cp.empty(q.shape, cp.float16), biases=biases)
         return attention.flash_attention(q16, kc, vc, pos_value(pos0), out=out)

@@ -161,6 +161,13 @@ class Gemms:
                     y = int8.mmq_q6k(xq, xd, w.data, plane, w.n_out, bias, out)
         return y if residual is None else ops.add(residual, y, out=y)
 
+    def linear_q8(self, q8, w: GpuWeight, bias=None, residual=None):
+        """A decode row given as q8_1 (a kernel wrote it: the attention's combine)
+        @ W^T [+ bias] [+ residual (consumed)] -> f32 (1, n_out) by the matvec."""
+        if self.path(1, w).engine != "matvec" or q8[0].shape != (1, w.n_in):
+            raise ValueError(f"linear_q8 {w.name}: needs a matvec weight of {q8[0].shape[1]} inputs")
+        return self._matvecs(q8, (w,), (bias,), (residual,))[0]
+
     def linears(self, x, ws, biases) -> list:
         """Weights that read the same x (q/k/v, gate/up) -> [f32 (T, n_out) each]. On
         the f16 engine x is rounded to f16 once for all of them; one decode row is
@@ -204,6 +211,10 @@ class Gemms:
         h = ops.rmsnorm(x, norm_w, eps)
         y = self.linear(ops.swiglu(*self.linears(h, (gate, up), (None, None))), down)
         return ops.add(x, y, out=y)
+
+    def all_matvec(self, x, ws) -> bool:
+        """Do all of ws take the matvec for x (one row)?"""
+        return x.shape[0] == 1 and self._all_matvec(x, ws)
 
     def _all_matvec(self, x, ws) -> bool:
         return all(w.n_in == x.shape[1] and self.path(1, w).engine == "matvec" for w in ws)
@@ -279,6 +290,10 @@ class Gemms:
             plane = self.store.plane_of(w) if p.reads_plane else None
             w16 = f16.dequant_f16(w.data, w.qtype, w.n_out, w.n_in, self._w16(), plane)
         return f16.gemm_w16(xh, w16, out=out, bias=bias, accumulate=accumulate)
+
+    def q8_scratch(self, slot: int, T: int, n: int):
+        """q8_1 buffers for a (T, n) activation that a kernel writes (see _q8_scratch)."""
+        return self._q8_scratch(slot, T, n)
 
     def _q8_scratch(self, slot: int, T: int, n: int):
         """q8_1 buffers for x (T, n) in one of two slots (a decode step's FFN reads
