@@ -11,11 +11,14 @@
 // a warp reduction. One kernel, templated on two ggml type ids (Q4_K 12, q6_K 14
 // padded, and the 32-element group types of q32_decode.cuh) that its weights take:
 //   matvec  y_s (od_s,) = W_s (od_s, K) @ x [+ bias_s] [+ res_s] for up to three
-//           weights that read the same x (q/k/v, gate/up in one launch), MV_RPW rows
+//           weights that read the same x (q/k/v, gate/up in one launch), R rows
 //           per warp or per block (split: a block's warps share its rows, each
 //           taking part of K), MV_WARPS warps per block, the blocks of the weights
 //           one after the other in the grid; res is the residual stream (y may
-//           alias it)
+//           alias it). R (2 or 4 = MV_RPW) is the launch's choice (matvec.py,
+//           measured per shape: 2 for a split q6_K weight, whose 4-row loop is
+//           held at the 80-register cap); a row's sums do not depend on it, so
+//           every R gives the same bits.
 // Weights are read through the non-coherent cache (__ldg): the weight pointer is
 // picked per block, so __restrict__ alone no longer tells the compiler.
 // MV_MIN_BLOCKS resident blocks per SM cap the registers at 80: the q6_K kernel
@@ -198,36 +201,36 @@ __device__ __forceinline__ void dot_rows(const u8* const (&rows)[R], const i8* _
     else dot_q32<QT, R>(rows, xq, xd, xs, K, lane, kw, nkw, acc);
 }
 
-// One warp's (or, split, one block's) MV_RPW rows from row0 of W (od, K) into y.
-template <int QT>
+// One warp's (or, split, one block's) R rows from row0 of W (od, K) into y.
+template <int QT, int R>
 __device__ __forceinline__ void rows_out(const u8* __restrict__ W, const float* __restrict__ bias,
                                          const float* res, float* y, int od, int row0, int K,
                                          const i8* __restrict__ xq, const float* __restrict__ xd,
                                          const float* __restrict__ xs, int split, int warp, int lane,
-                                         float (&s_part)[MV_WARPS][MV_RPW]) {
-    const u8* rows[MV_RPW];
+                                         float (&s_part)[MV_WARPS][R]) {
+    const u8* rows[R];
 #pragma unroll
-    for (int r = 0; r < MV_RPW; ++r) rows[r] = W + (size_t)min(row0 + r, od - 1) * row_bytes<QT>(K);
-    float acc[MV_RPW];
-    dot_rows<QT, MV_RPW>(rows, xq, xd, xs, K, lane, warp % split, split, acc);
+    for (int r = 0; r < R; ++r) rows[r] = W + (size_t)min(row0 + r, od - 1) * row_bytes<QT>(K);
+    float acc[R];
+    dot_rows<QT, R>(rows, xq, xd, xs, K, lane, warp % split, split, acc);
 #pragma unroll
-    for (int r = 0; r < MV_RPW; ++r) acc[r] = warp_sum(acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
     if (split > 1) {
         if (lane == 0) {
 #pragma unroll
-            for (int r = 0; r < MV_RPW; ++r) s_part[warp][r] = acc[r];
+            for (int r = 0; r < R; ++r) s_part[warp][r] = acc[r];
         }
         __syncthreads();
         if (warp != 0) return;
 #pragma unroll
-        for (int r = 0; r < MV_RPW; ++r) {
+        for (int r = 0; r < R; ++r) {
             float v = s_part[0][r];
             for (int w = 1; w < split; ++w) v += s_part[w][r];
             acc[r] = v;
         }
     }
 #pragma unroll
-    for (int r = 0; r < MV_RPW; ++r) {
+    for (int r = 0; r < R; ++r) {
         if (lane == 0 && row0 + r < od) {
             float o = bias ? acc[r] + bias[row0 + r] : acc[r];
             if (res) o = res[row0 + r] + o;
@@ -239,36 +242,37 @@ __device__ __forceinline__ void rows_out(const u8* __restrict__ W, const float* 
 // q8_1 x (K,) -> y_s = W_s @ x [+ bias_s] [+ res_s] for s = 0..2 (od_s = 0: unused);
 // weight s is of type QB where bit s of qb_mask is set, else QA (a q6_K attn_v
 // beside q4_K q and k: one launch).
-// split 1: each warp owns MV_RPW rows over all of K, a block MV_WARPS*MV_RPW rows;
-// split MV_WARPS: the block's warps share MV_RPW rows, warp w taking every
+// split 1: each warp owns R rows over all of K, a block MV_WARPS*R rows;
+// split MV_WARPS: the block's warps share R rows, warp w taking every
 // MV_WARPS-th slice of K, and their sums meet in shared memory (in warp order).
 // grid = the blocks of the three weights, in order.
-template <int QA, int QB>
+template <int QA, int QB, int R>
 __global__ void __launch_bounds__(MV_WARPS * 32, MV_MIN_BLOCKS)
 matvec(const i8* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs, int K,
        int split, int qb_mask,
        const u8* __restrict__ W0, const float* __restrict__ bias0, const float* res0, float* y0, int od0,
        const u8* __restrict__ W1, const float* __restrict__ bias1, const float* res1, float* y1, int od1,
        const u8* __restrict__ W2, const float* __restrict__ bias2, const float* res2, float* y2, int od2) {
-    __shared__ float s_part[MV_WARPS][MV_RPW];
-    const int per_block = MV_WARPS * MV_RPW / split;
+    __shared__ float s_part[MV_WARPS][R];
+    const int per_block = MV_WARPS * R / split;
     const int nb0 = (od0 + per_block - 1) / per_block, nb1 = (od1 + per_block - 1) / per_block;
     int blk = blockIdx.x, seg = 0;
     const u8* W = W0; const float* bias = bias0; const float* res = res0; float* y = y0; int od = od0;
     if (blk >= nb0 + nb1) { blk -= nb0 + nb1; seg = 2; W = W2; bias = bias2; res = res2; y = y2; od = od2; }
     else if (blk >= nb0) { blk -= nb0; seg = 1; W = W1; bias = bias1; res = res1; y = y1; od = od1; }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row0 = (blk * (MV_WARPS / split) + warp / split) * MV_RPW;
+    const int row0 = (blk * (MV_WARPS / split) + warp / split) * R;
     if (row0 >= od) return;                    // split > 1: the whole block
     if ((qb_mask >> seg) & 1)
-        rows_out<QB>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
+        rows_out<QB, R>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
     else
-        rows_out<QA>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
+        rows_out<QA, R>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
 }
 
 #ifdef MINFER_SASS_INSTANTIATE
-#define MINFER_MV(QA, QB)                                                                       \
-    template __global__ void matvec<QA, QB>(const i8*, const float*, const float*, int, int, int, \
+#define MINFER_MV(QA, QB) MINFER_MVR(QA, QB, 2) MINFER_MVR(QA, QB, 4)
+#define MINFER_MVR(QA, QB, R)                                                                   \
+    template __global__ void matvec<QA, QB, R>(const i8*, const float*, const float*, int, int, int, \
         const u8*, const float*, const float*, float*, int,                                     \
         const u8*, const float*, const float*, float*, int,                                     \
         const u8*, const float*, const float*, float*, int);

@@ -20,9 +20,10 @@ def test_settings_from_env():
     assert CudaSettings.from_env({}) == CudaSettings()
     s = CudaSettings.from_env({"MINFER_MMQ_Q6K_EXP": "0", "MINFER_FFN_F16": "0",
                                "MINFER_CUDA_GRAPHS": "0", "MINFER_MMQ_RAW_NB_DEBUG": "1",
-                               "MINFER_TEST_FORCE_EXP_MISS": "1"})
-    assert (s.exp_planes, s.ffn_f16, s.graphs, s.report_counts, s.force_exp_miss) == \
-        (False, False, False, True, True)
+                               "MINFER_TEST_FORCE_EXP_MISS": "1", "MINFER_F16_WEIGHTS": "1"})
+    assert (s.exp_planes, s.ffn_f16, s.graphs, s.report_counts, s.force_exp_miss, s.f16_weights) == \
+        (False, False, False, True, True, True)
+    assert not CudaSettings().f16_weights
     assert not s.use_planes and CudaSettings().use_planes
     assert not CudaSettings().replace(exp_enabled=False).use_planes
     hash(s)                                   # frozen: usable as a CUDA-graph cache key
@@ -89,3 +90,25 @@ def test_plane_check_fails_when_a_plane_is_missing(header_7b):
     problem = plane_check(expected, planes)
     assert problem is not None
     assert f"{expected - dropped.nbytes:,}" in problem and f"{expected:,}" in problem
+
+
+def test_gemm_path_of_a_kept_f16_weight():
+    """With an f16 copy kept (MINFER_F16_WEIGHTS=1) a q6_K prompt GEMM counts `q6k f16
+    kept`, whatever its plane; a decode row and the MMQ paths are unchanged."""
+    s = CudaSettings(f16_weights=True)
+    w = GpuWeight("blk.0.ffn_down.weight", QT.Q6_K, 3584, 18944, None, plane_tensor=True)
+    p = gemm_path(512, w, s, has_plane=True, has_f16=True)
+    assert (p.engine, p.counter, p.b_source, p.reads_plane) == ("f16", "q6k_f16", "q6k f16 kept", False)
+    assert gemm_path(512, w, s, has_plane=True, has_f16=False).b_source == "q6k exp"
+    assert gemm_path(1, w, s, has_plane=True, has_f16=True).engine == "matvec"
+    head = GpuWeight("output.weight", QT.Q6_K, 152064, 3584, None, plane_tensor=True)
+    assert gemm_path(512, head, s, has_plane=True, has_f16=False).b_source == "q6k exp"   # MMQ
+
+
+def test_rows_per_warp():
+    """2 rows a warp only for split q6_K launches (the measured win), 4 otherwise."""
+    from minfer.backend.cuda.matvec import rows_per_warp
+    assert rows_per_warp(QT.Q6_K, QT.Q6_K, 4) == 2
+    assert rows_per_warp(QT.Q6_K, QT.Q6_K, 1) == 4                 # the LM head
+    assert rows_per_warp(QT.Q4_K, QT.Q6_K, 4) == 4                 # q/k/v with a q6_K attn_v
+    assert rows_per_warp(QT.Q4_K, QT.Q4_K, 4) == rows_per_warp(QT.Q5_0, QT.Q5_0, 4) == 4

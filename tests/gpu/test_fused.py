@@ -99,6 +99,30 @@ def test_matvecs_refuses_weights_that_split_differently(cp):
         matvecs(*q8, [(QT.Q8_0, small, 32, None, None, None), (QT.Q4_1, small, 32, None, None, None)])
 
 
+@pytest.mark.parametrize("qtypes", [(QT.Q4_K,) * 2, (QT.Q4_K, QT.Q6_K), (QT.Q6_K,), (QT.Q5_0,) * 3],
+                         ids=lambda ts: "+".join(t.name for t in ts))
+@pytest.mark.parametrize("ods", [(300, 37, 64), (9000, 8193, 8200)], ids=["split", "whole-K"])
+def test_matvecs_rows_per_warp_give_the_same_bits(cp, qtypes, ods):
+    """Every rows-per-warp of a launch gives the bits of every other: a row's sums
+    do not depend on it."""
+    from minfer.backend.cuda import int8
+    from minfer.backend.cuda.matvec import RPW, matvecs
+    rng = np.random.default_rng([len(qtypes), ods[0]])
+    K = 512
+    segs = [(t, cp.asarray(_raw(t, od, K, i)), od) for i, (t, od) in enumerate(zip(qtypes, ods))]
+    res = cp.asarray(rng.standard_normal((1, ods[0])).astype(np.float32))
+    q8 = int8.quantize_q8_1(cp.asarray(_x(rng, 1, K)))
+    got = {r: [cp.asnumpy(y) for y in matvecs(*q8, [(t, w, od, None, res if i == 0 else None,
+                                                     cp.full((1, od), cp.nan, cp.float32))
+                                                    for i, (t, w, od) in enumerate(segs)], rpw=r)]
+           for r in RPW}
+    for r in RPW[1:]:
+        assert all(_same(a, b) for a, b in zip(got[r], got[RPW[0]])), r
+    assert all(np.isfinite(y).all() for y in got[2])
+    with pytest.raises(ValueError, match="rows per warp"):
+        matvecs(*q8, [(t, w, od, None, None, None) for t, w, od in segs], rpw=3)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matvecs_three_weights_equal_three_launches(cp, qtype):
     from minfer.backend.cuda import int8, ops

@@ -27,7 +27,6 @@ from .nvrtc import K
 
 QK_K = K["QK_K"]
 MMQ_BM, MMQ_BN, MMQ_THREADS, MMQ_KDR = K["MMQ_BM"], K["MMQ_BN"], K["MMQ_THREADS"], K["MMQ_KDR"]
-MV_ROWS_PER_BLOCK = K["MV_WARPS"] * K["MV_RPW"]
 _MMQ = (f"mmq_q4k<{MMQ_KDR}>", f"mmq_q6k_bt<{MMQ_KDR}, true>", f"mmq_q6k_bt<{MMQ_KDR}, false>")
 
 # the types the int8 MMQ GEMMs take (every other type's GEMMs run on the f16 engine)

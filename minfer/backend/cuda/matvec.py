@@ -21,19 +21,38 @@ from .nvrtc import K
 MV_TYPES = (QT.Q4_K, QT.Q6_K) + Q32_TYPES
 MIXED = (QT.Q4_K, QT.Q6_K)                   # the one pair of types one launch may mix
 MAX_SEGMENTS = 3                              # weights per matvecs launch
-ROWS_PER_BLOCK = K["MV_WARPS"] * K["MV_RPW"]
+RPW = (K["MV_RPW"], 2)                        # rows per warp a launch may take
 # Below this many rows a weight's blocks share their rows among their warps (each
 # warp a part of K): 3,584 rows at one warp per four rows is 224 blocks, under
 # two per SM, and each warp walked all of K alone (the 7B's ffn_down, 18,944 wide,
 # ran at half the copy bandwidth).
 SPLIT_BELOW_ROWS = 8192
-_INSTANCES = tuple(f"matvec<{int(t)}, {int(t)}>" for t in MV_TYPES) + (f"matvec<{int(MIXED[0])}, {int(MIXED[1])}>",)
+_INSTANCES = tuple(f"matvec<{int(a)}, {int(b)}, {r}>" for a, b in
+                   [(t, t) for t in MV_TYPES] + [MIXED] for r in RPW)
 
 
 def split_of(od: int) -> int:
     """The K split of a weight of od rows (kernels/matvec.cu): a row's bits depend
     on it, so it is a function of the weight alone."""
     return K["MV_WARPS"] if od < SPLIT_BELOW_ROWS else 1
+
+
+def _kernel(qa, qb, rpw: int):
+    return kernel("matvec.cu", f"matvec<{int(qa)}, {int(qb)}, {rpw}>", _INSTANCES)
+
+
+def blocks_of(ods, split: int, rpw: int) -> int:
+    """Blocks of one launch over weights of ods rows at rpw rows per warp."""
+    return sum(blocks_1d(od, K["MV_WARPS"] * rpw // split) for od in ods)
+
+
+def rows_per_warp(qa, qb, split: int) -> int:
+    """Rows per warp of a launch: 2 for q6_K weights whose K is split across a
+    block's warps (the 7B's q6_K ffn_down: 18.3 us at 2, 22.0 at 4), else 4.
+    Measured per shape on the H200 (docs/PERF.md 6.14): 1 row was slower
+    everywhere, 2 equal or slower for every other shape. Every choice gives the
+    same bits (a row's sums do not depend on it)."""
+    return 2 if QT(qa) == QT(qb) == QT.Q6_K and split > 1 else K["MV_RPW"]
 
 
 def can_share(qtypes) -> bool:
@@ -61,11 +80,12 @@ def _check_x(what: str, qtypes, xq, xd, xs) -> int:
     return n
 
 
-def matvecs(xq, xd, xs, segments) -> list:
+def matvecs(xq, xd, xs, segments, rpw: int | None = None) -> list:
     """segments: up to three (qtype, w, od, bias, res, y) of one split_of(od) and
     types that can_share; w (od, K) device bytes; bias (od,) or None; res (1, od)
     or None (added last: the residual stream); y (1, od) or None (allocated)
-    -> [y (1, od) f32 each], one launch."""
+    -> [y (1, od) f32 each], one launch. rpw: rows per warp (tests; default
+    rows_per_warp's choice)."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"matvecs: {len(segments)} weights, 1..{MAX_SEGMENTS} per launch")
     qtypes = [QT(seg[0]) for seg in segments]
@@ -79,7 +99,11 @@ def matvecs(xq, xd, xs, segments) -> list:
     qa = qtypes[0] if len(set(qtypes)) == 1 else MIXED[0]
     qb = qtypes[0] if len(set(qtypes)) == 1 else MIXED[1]
     mask = sum(1 << i for i, t in enumerate(qtypes) if t != qa)
-    args, ys, blocks = [], [], 0
+    if rpw is None:
+        rpw = rows_per_warp(qa, qb, split)
+    elif rpw not in RPW:
+        raise ValueError(f"matvecs: {rpw} rows per warp, expected one of {RPW}")
+    args, ys = [], []
     for i, (qtype, w, od, bias, res, y) in enumerate(segments):
         check(w, f"matvecs w{i}", cp.uint8, (od, _row_bytes(QT(qtype), n)), align16=True)
         if bias is not None:
@@ -89,11 +113,11 @@ def matvecs(xq, xd, xs, segments) -> list:
         y = out_array(y, (1, od), f"matvecs y{i}")                        # (1, od)
         args += [w, or_null(bias), or_null(res), y, np.int32(od)]
         ys.append(y)
-        blocks += blocks_1d(od, ROWS_PER_BLOCK // split)
     args += [NULL, NULL, NULL, NULL, np.int32(0)] * (MAX_SEGMENTS - len(segments))
+    blocks = blocks_of([seg[2] for seg in segments], split, rpw)
     if blocks:
-        kernel("matvec.cu", f"matvec<{int(qa)}, {int(qb)}>", _INSTANCES)(
-            (blocks,), (K["MV_WARPS"] * 32,), (xq, xd, xs, np.int32(n), np.int32(split), np.int32(mask), *args))
+        _kernel(qa, qb, rpw)((blocks,), (K["MV_WARPS"] * 32,),
+                             (xq, xd, xs, np.int32(n), np.int32(split), np.int32(mask), *args))
     return ys
 
 

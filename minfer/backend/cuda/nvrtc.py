@@ -34,7 +34,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MMQ_KDR": 2,
     "MMQ_NST": 3,
     "MMQ_THREADS": 256,
-    # matvec (matvec.cu): MV_RPW output rows per warp (sharing the loads of x),
+    # matvec (matvec.cu): up to MV_RPW output rows per warp (sharing the loads of x),
     # MV_WARPS warps per block, at least MV_MIN_BLOCKS blocks resident per SM
     "MV_RPW": 4,
     "MV_WARPS": 4,
