@@ -137,6 +137,8 @@ def cmd_generate(args) -> int:
     ids = prompt_ids(mf.tokenizer, prompt, chat=args.chat, system=system)
     check_fits(len(ids), mf.n_ctx)                      # before the weights are loaded
     engine = Engine.from_file(mf, args.backend, progress=not args.quiet)
+    if not args.no_warmup:
+        engine.warmup()
     # --json: stdout is one JSON object at the end, nothing streamed before it
     gen = engine.generate(ids, args.n_predict, ignore_eos=args.ignore_eos,
                           on_text=None if args.json else _out)
@@ -253,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message for --chat")
     backend_arg(g)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="skip the warm-up run after load (a two-token prefill and one decode step, as "
+                        "llama.cpp's): the first prompt then pays the backend's one-time start-up")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object at the end (prompt and generated ids, text, stop reason, "
                         "timings) instead of streaming the text")

@@ -4,6 +4,7 @@ The CLI, tests and benchmarks all start here."""
 from __future__ import annotations
 
 import numbers
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -112,6 +113,26 @@ class Engine:
                                f"after load; it must copy what it needs")
         return cls(gf=mf.gf, cfg=mf.cfg, tokenizer=mf.tokenizer, backend=be, weights=weights,
                    model=Transformer(mf.cfg, be, weights), n_ctx=mf.n_ctx)
+
+    def warmup(self) -> float:
+        """Short prefills (the backend's warmup_lengths) and one greedy decode step on
+        throwaway caches, as llama.cpp's warm-up run: what a backend does once per
+        process on first use (the CUDA backend: cuBLAS's handle and the GEMM kernels
+        it loads lazily per shape, the kernel modules from CuPy's cache, the scratch
+        buffers) happens here instead of inside the first prompt's timing.
+        -> seconds it took. Launch counters are reset afterwards, so they count the
+        caller's work only."""
+        self._check_open()
+        tok = next((t for t in (self.tokenizer.bos_id, self.tokenizer.eos_id) if t is not None), 0)
+        t0 = time.perf_counter()
+        lengths = [t for t in self.backend.warmup_lengths if t <= self.n_ctx] or [1]
+        for T in lengths:
+            cache = self.backend.new_cache(T + 1)
+            self.model.forward(np.full(T, tok, np.int32), 0, cache)
+        self.model.decode_greedy(tok, T, cache)
+        self.backend.synchronize()
+        self.backend.reset_counters()
+        return time.perf_counter() - t0
 
     def new_cache(self, n_ctx: int | None = None):
         """An empty KV cache for n_ctx positions (default: the engine's context)."""

@@ -60,6 +60,10 @@ def test_generate_json(tiny, capsys):
                             "--backend", "cpu")
     assert rc == 0 and streamed == r["text"]
     assert "generation: 4 tokens" in err
+    # without the warm-up run: the same text
+    rc, cold, err = run(capsys, "generate", "-m", tiny, "-p", "hello world", "-n", "4", "--ignore-eos",
+                        "--backend", "cpu", "--no-warmup")
+    assert rc == 0 and cold == r["text"]
 
 
 def test_one_token_prints_na_not_nan(tiny, capsys):

@@ -62,6 +62,14 @@ def test_generate_returns_text_ids_stop_and_timings(engine):
     assert again.ids == out.ids and again.prompt_ids == out.prompt_ids
 
 
+def test_warmup_leaves_no_trace(engine):
+    """The warm-up run (generate's default, as llama.cpp's) uses a cache of its own:
+    a generation after it gives the same ids as before it."""
+    before = engine.generate("The capital of France is", max_tokens=5, ignore_eos=True).ids
+    assert engine.warmup() > 0
+    assert engine.generate("The capital of France is", max_tokens=5, ignore_eos=True).ids == before
+
+
 def test_generation_stops_at_the_context(engine):
     out = engine.generate([7] * (N_CTX - 2), max_tokens=10, ignore_eos=True)
     assert out.stop == "context" and len(out.ids) == 3     # positions 62, 63 and the prefill's

@@ -160,6 +160,10 @@ class Backend(ABC):
         line naming `what` (the engine wraps loading, the graph each forward)."""
         yield
 
+    # prompt lengths Engine.warmup runs: enough to touch what the backend sets up on
+    # first use (nothing on the CPU but the code paths themselves)
+    warmup_lengths: tuple[int, ...] = (2,)
+
     # --- measurement (minfer bench uses only these) ---------------------------
     def timer(self) -> Timer:
         return Timer(self)

@@ -76,6 +76,9 @@ class CudaTimer(Timer):
 
 class CUDABackend(Backend):
     name = "cuda"
+    # cuBLAS picks its GEMM kernels by shape and loads each on first use (some ms
+    # apiece): a short and a medium prompt load the kernels most prompts then take
+    warmup_lengths = (2, 256)
 
     def __init__(self, cfg: ModelConfig, settings: CudaSettings | None = None):
         super().__init__(cfg)
