@@ -256,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     backend_arg(g)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     g.add_argument("--no-warmup", action="store_true",
-                   help="skip the warm-up run after load (a two-token prefill and one decode step, as "
-                        "llama.cpp's): the first prompt then pays the backend's one-time start-up")
+                   help="skip the warm-up run after load (short prefills and one decode step on a "
+                        "throwaway cache, as llama.cpp's): the first prompt then pays the backend's "
+                        "one-time start-up")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object at the end (prompt and generated ids, text, stop reason, "
                         "timings) instead of streaming the text")
