@@ -70,6 +70,20 @@ def test_warmup_leaves_no_trace(engine):
     assert engine.generate("The capital of France is", max_tokens=5, ignore_eos=True).ids == before
 
 
+def test_warmup_skips_lengths_past_the_context(model_path, monkeypatch):
+    """A backend's warm-up lengths longer than the engine's context are left out (a
+    one-token forward when none fits)."""
+    with Engine.load(model_path, backend="cpu", n_ctx=8, progress=False) as eng:
+        seen = []
+        real = eng.model.forward
+        monkeypatch.setattr(eng.model, "forward", lambda ids, *a, **k: seen.append(len(ids)) or real(ids, *a, **k))
+        monkeypatch.setattr(eng.backend, "warmup_lengths", (2, 256))
+        eng.warmup()
+        monkeypatch.setattr(eng.backend, "warmup_lengths", (256,))
+        eng.warmup()
+    assert seen == [2, 1]             # the prefills (decode_greedy is not a forward): 2, then 1 (none fits)
+
+
 def test_generation_stops_at_the_context(engine):
     out = engine.generate([7] * (N_CTX - 2), max_tokens=10, ignore_eos=True)
     assert out.stop == "context" and len(out.ids) == 3     # positions 62, 63 and the prefill's
