@@ -114,14 +114,16 @@ __device__ __forceinline__ void rope_rotate(float a, float b, float c, float s, 
 }
 
 // ---- f16 -----------------------------------------------------------------------
-// f32 -> f16 bits, round to nearest even (cast_f32_f16's rounding): a kernel that
-// writes an f16 operand directly gives the bits of an f32 write and a cast
+// f32 -> f16 bits, round to nearest even (= numpy's float32 -> float16; cast_f32_f16's
+// rounding): a kernel that writes an f16 operand directly gives the bits of an f32
+// write and a cast
 __device__ __forceinline__ u32 f16_bits_rn(float f) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
 
+// two f16 bits -> one u32, lo in the low half (the lower address in memory)
 __device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
     return f16_bits_rn(lo) | (f16_bits_rn(hi) << 16);
 }

@@ -18,18 +18,6 @@
 
 #include "common.cuh"
 
-// f32 -> f16 bits, round to nearest even (= numpy's float32 -> float16)
-__device__ __forceinline__ u32 f32_to_f16(float f) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
-// two f16 bits -> one u32, lo in the low half (the lower address in memory)
-__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
-    return f32_to_f16(lo) | (f32_to_f16(hi) << 16);
-}
-
 // byte k of a 16-byte vector
 __device__ __forceinline__ u32 byte_of(const uint4& v, int k) {
     const u32 w = k < 4 ? v.x : k < 8 ? v.y : k < 12 ? v.z : v.w;
@@ -38,8 +26,8 @@ __device__ __forceinline__ u32 byte_of(const uint4& v, int k) {
 
 // 8 f32 -> 8 f16 in one 16-byte store
 __device__ __forceinline__ void store8_f16(u16* dst, const float v[8]) {
-    *(uint4*)dst = make_uint4(pack_f16x2(v[0], v[1]), pack_f16x2(v[2], v[3]),
-                              pack_f16x2(v[4], v[5]), pack_f16x2(v[6], v[7]));
+    *(uint4*)dst = make_uint4(f32x2_to_f16x2(v[0], v[1]), f32x2_to_f16x2(v[2], v[3]),
+                              f32x2_to_f16x2(v[4], v[5]), f32x2_to_f16x2(v[6], v[7]));
 }
 
 // Thread layout shared by the three kernels: one thread per 16 outputs, 16 threads
@@ -173,7 +161,7 @@ cast_f32_f16(const float4* __restrict__ x, uint2* __restrict__ y, long long n4) 
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
         const float4 v = x[i];
-        y[i] = make_uint2(pack_f16x2(v.x, v.y), pack_f16x2(v.z, v.w));
+        y[i] = make_uint2(f32x2_to_f16x2(v.x, v.y), f32x2_to_f16x2(v.z, v.w));
     }
 }
 
@@ -202,7 +190,7 @@ swiglu_f16(const uint2* __restrict__ gate, const uint2* __restrict__ up,
             const float uf = f16_to_f32((uw[k >> 1] >> (16 * (k & 1))) & 0xFFFF);
             r[k] = gf / (1.0f + expf(-gf)) * uf;
         }
-        y[i] = make_uint2(pack_f16x2(r[0], r[1]), pack_f16x2(r[2], r[3]));
+        y[i] = make_uint2(f32x2_to_f16x2(r[0], r[1]), f32x2_to_f16x2(r[2], r[3]));
     }
 }
 

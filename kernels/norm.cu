@@ -57,25 +57,32 @@ __device__ __forceinline__ float row_scale_loop(const float* __restrict__ xr, in
     return block_scale(ss, d, eps);
 }
 
-// x (rows, d), w (d,) -> y (rows, d); grid = rows, block = NORM_THREADS
-extern "C" __global__ void __launch_bounds__(NORM_THREADS)
-rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
-            float* __restrict__ y, int d, float eps) {
-    const size_t row = blockIdx.x;
-    const float* xr = x + row * (size_t)d;
-    float* yr = y + row * (size_t)d;
+// One row's normed values x[i] * scale * w[i], each handed to store(i, value): the
+// element-wise outputs (f32, f16) differ only in how they store a value
+template <typename Store>
+__device__ __forceinline__ void normed_row(const float* __restrict__ xr, const float* __restrict__ w,
+                                           int d, float eps, Store store) {
     if (d <= NORM_THREADS * NORM_PER) {
         float xv[NORM_PER], wv[NORM_PER];
         const float scale = row_scale_regs(xr, w, d, eps, xv, wv);
 #pragma unroll
         for (int j = 0; j < NORM_PER; ++j) {
             const int i = threadIdx.x + j * NORM_THREADS;
-            if (i < d) yr[i] = xv[j] * scale * wv[j];
+            if (i < d) store(i, xv[j] * scale * wv[j]);
         }
         return;
     }
     const float scale = row_scale_loop(xr, d, eps);
-    for (int i = threadIdx.x; i < d; i += NORM_THREADS) yr[i] = xr[i] * scale * w[i];
+    for (int i = threadIdx.x; i < d; i += NORM_THREADS) store(i, xr[i] * scale * w[i]);
+}
+
+// x (rows, d), w (d,) -> y (rows, d); grid = rows, block = NORM_THREADS
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
+            float* __restrict__ y, int d, float eps) {
+    const size_t row = blockIdx.x;
+    float* yr = y + row * (size_t)d;
+    normed_row(x + row * (size_t)d, w, d, eps, [yr](int i, float v) { yr[i] = v; });
 }
 
 // x (rows, d), w (d,) -> the normed rows as q8_1: q (rows, d) int8, qd, qs (rows, d/32);
@@ -115,18 +122,6 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_f16(const float* __restrict__ x, const float* __restrict__ w,
             u16* __restrict__ y, int d, float eps) {
     const size_t row = blockIdx.x;
-    const float* xr = x + row * (size_t)d;
     u16* yr = y + row * (size_t)d;
-    if (d <= NORM_THREADS * NORM_PER) {
-        float xv[NORM_PER], wv[NORM_PER];
-        const float scale = row_scale_regs(xr, w, d, eps, xv, wv);
-#pragma unroll
-        for (int j = 0; j < NORM_PER; ++j) {
-            const int i = threadIdx.x + j * NORM_THREADS;
-            if (i < d) yr[i] = (u16)f16_bits_rn(xv[j] * scale * wv[j]);
-        }
-        return;
-    }
-    const float scale = row_scale_loop(xr, d, eps);
-    for (int i = threadIdx.x; i < d; i += NORM_THREADS) yr[i] = (u16)f16_bits_rn(xr[i] * scale * w[i]);
+    normed_row(x + row * (size_t)d, w, d, eps, [yr](int i, float v) { yr[i] = (u16)f16_bits_rn(v); });
 }
