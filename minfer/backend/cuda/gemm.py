@@ -140,7 +140,7 @@ class Gemms:
         T = x.shape[0]
         p = self.path(T, w)
         if p.engine == "matvec":
-            q8 = int8.quantize_q8_1(x, *self._q8_scratch(0, T, w.n_in))
+            q8 = int8.quantize_q8_1(x, *self.q8_scratch(0, T, w.n_in))
             return self._matvecs(q8, (w,), (bias,), (residual,), (out,))[0]
         if p.engine == "f16" and self._accumulates(residual, bias, out, (T, w.n_out)):
             return self._f16_linears(x, (w,), (None,), (residual,), accumulate=True)[0]
@@ -153,7 +153,7 @@ class Gemms:
                 if bias is not None:
                     cp.add(y, bias, out=y)
             else:
-                xq, xd, xs = int8.quantize_q8_1(x, *self._q8_scratch(0, T, w.n_in))
+                xq, xd, xs = int8.quantize_q8_1(x, *self.q8_scratch(0, T, w.n_in))
                 if w.qtype == QT.Q4_K:
                     y = int8.mmq_q4k(xq, xd, xs, w.data, w.n_out, bias, out)
                 else:
@@ -178,15 +178,15 @@ class Gemms:
             if engines == {"f16"}:
                 return self._f16_linears(x, ws, biases, (None,) * len(ws))
             if engines == {"matvec"}:
-                q8 = int8.quantize_q8_1(x, *self._q8_scratch(0, 1, x.shape[1]))   # once for all
+                q8 = int8.quantize_q8_1(x, *self.q8_scratch(0, 1, x.shape[1]))   # once for all
                 return self._matvecs(q8, ws, biases)
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
 
     def norm_linears(self, x, norm_w, eps: float, ws, biases) -> list:
         """rmsnorm(x) * norm_w, then linears: one decode row goes from the norm straight
         to q8_1 (int8.rmsnorm_q8_1), the same values as the two steps."""
-        if x.shape[0] == 1 and self._all_matvec(x, ws):
-            q8 = int8.rmsnorm_q8_1(x, norm_w, eps, *self._q8_scratch(0, 1, x.shape[1]))
+        if self.all_matvec(x, ws):
+            q8 = int8.rmsnorm_q8_1(x, norm_w, eps, *self.q8_scratch(0, 1, x.shape[1]))
             return self._matvecs(q8, ws, biases)
         if self.all_f16(x, ws):                  # the norm writes the f16 operand itself
             xh = ops.rmsnorm(x, norm_w, eps, out=self._x16(x.shape), dtype=cp.float16)
@@ -199,11 +199,11 @@ class Gemms:
         share a type; SwiGLU to q8_1; down with the residual); prompts: the f16 FFN
         (ffn_f16) or three linears."""
         T, d_ff = x.shape[0], gate.n_out
-        if (T == 1 and self._all_matvec(x, (gate, up)) and self.path(1, down).engine == "matvec"
+        if (self.all_matvec(x, (gate, up)) and self.path(1, down).engine == "matvec"
                 and up.n_out == d_ff == down.n_in and d_ff % 32 == 0):
-            q8 = int8.rmsnorm_q8_1(x, norm_w, eps, *self._q8_scratch(0, 1, x.shape[1]))
+            q8 = int8.rmsnorm_q8_1(x, norm_w, eps, *self.q8_scratch(0, 1, x.shape[1]))
             g, u = self._matvecs(q8, (gate, up), (None, None))
-            h8 = int8.swiglu_q8_1(g, u, *self._q8_scratch(1, 1, d_ff))
+            h8 = int8.swiglu_q8_1(g, u, *self.q8_scratch(1, 1, d_ff))
             return self._matvecs(h8, (down,), (None,), (x,))[0]
         if self.ffn_fused(T, gate, up, down):    # x consumed: down accumulates into it
             return self.ffn_f16(ops.rmsnorm(x, norm_w, eps, out=self._x16(x.shape), dtype=cp.float16),
@@ -213,11 +213,9 @@ class Gemms:
         return ops.add(x, y, out=y)
 
     def all_matvec(self, x, ws) -> bool:
-        """Do all of ws take the matvec for x (one row)?"""
-        return x.shape[0] == 1 and self._all_matvec(x, ws)
-
-    def _all_matvec(self, x, ws) -> bool:
-        return all(w.n_in == x.shape[1] and self.path(1, w).engine == "matvec" for w in ws)
+        """Is x one row, and do all of ws take the matvec for it?"""
+        return x.shape[0] == 1 and all(w.n_in == x.shape[1] and self.path(1, w).engine == "matvec"
+                                       for w in ws)
 
     def all_f16(self, x, ws) -> bool:
         """Do all of ws take the f16 engine for x's rows?"""
@@ -292,10 +290,6 @@ class Gemms:
         return f16.gemm_w16(xh, w16, out=out, bias=bias, accumulate=accumulate)
 
     def q8_scratch(self, slot: int, T: int, n: int):
-        """q8_1 buffers for a (T, n) activation that a kernel writes (see _q8_scratch)."""
-        return self._q8_scratch(slot, T, n)
-
-    def _q8_scratch(self, slot: int, T: int, n: int):
         """q8_1 buffers for x (T, n) in one of two slots (a decode step's FFN reads
         slot 0 and writes slot 1), grown when too small."""
         if self._q8[slot] is None or self._q8[slot][0].size < T * n:
