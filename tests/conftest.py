@@ -128,6 +128,29 @@ def smollm2_engine(smollm2_path):
     return Engine.load(str(smollm2_path), backend="cpu", n_ctx=2048, progress=False)
 
 
+@pytest.fixture(scope="session")
+def check_perplexity(fixtures_dir):
+    """-> check(engine, tag, llama_ppl, llama_running, rtol_running): llama.cpp's
+    perplexity method on tests/fixtures/perplexity_gpl3.txt at n_ctx 512, printed
+    beside llama.cpp's figures and held to them: the same chunks and scored tokens,
+    the final value within 1%, the running values within rtol_running."""
+    def check(engine, tag: str, llama_ppl: float, llama_running: list, rtol_running: float) -> None:
+        from minfer.perplexity import perplexity
+        text = (fixtures_dir / "perplexity_gpl3.txt").read_text(encoding="utf-8")
+        t0 = time.perf_counter()
+        res = perplexity(engine, text, n_ctx=512, progress=False)
+        dt = time.perf_counter() - t0
+        print(f"\n[{tag}] perplexity n_ctx 512: {res.n_chunks} chunks, PPL {res.ppl:.4f} +/- {res.err:.4f} "
+              f"(llama.cpp {llama_ppl}: {res.ppl / llama_ppl - 1:+.2%}), {dt:.0f} s "
+              f"({dt / res.n_chunks:.1f} s per 512-token chunk)")
+        print(f"[{tag}] running: " + ",".join(f"[{i + 1}]{p:.4f}" for i, p in enumerate(res.running)))
+        assert res.n_chunks == len(llama_running)
+        assert res.count == res.n_chunks * 255
+        assert abs(res.ppl / llama_ppl - 1) < 0.01
+        np.testing.assert_allclose(res.running, llama_running, rtol=rtol_running)
+    return check
+
+
 # --- synthetic models -------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ PPL 1.7601 and the running values below)."""
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -26,18 +25,5 @@ def test_token_nll_is_the_log_softmax():
 
 
 @pytest.mark.model
-def test_perplexity_matches_llama_cpp(real_engine, fixtures_dir):
-    from minfer.perplexity import perplexity
-
-    engine = real_engine
-    text = (fixtures_dir / "perplexity_gpl3.txt").read_text(encoding="utf-8")
-    t0 = time.perf_counter()
-    res = perplexity(engine, text, n_ctx=512, progress=False)
-    dt = time.perf_counter() - t0
-    print(f"\n[model] perplexity n_ctx 512: {res.n_chunks} chunks, PPL {res.ppl:.4f} +/- {res.err:.4f} "
-          f"(llama.cpp {LLAMA_CPP_PPL}), {dt:.0f} s ({dt / res.n_chunks:.1f} s per 512-token chunk)")
-    print("[model] running: " + ",".join(f"[{i + 1}]{p:.4f}" for i, p in enumerate(res.running)))
-    assert res.n_chunks == len(LLAMA_CPP_RUNNING)
-    assert res.count == res.n_chunks * 255
-    assert abs(res.ppl / LLAMA_CPP_PPL - 1) < 0.01
-    np.testing.assert_allclose(res.running, LLAMA_CPP_RUNNING, rtol=0.02)
+def test_perplexity_matches_llama_cpp(real_engine, check_perplexity):
+    check_perplexity(real_engine, "model", LLAMA_CPP_PPL, LLAMA_CPP_RUNNING, rtol_running=0.02)

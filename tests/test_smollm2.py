@@ -12,7 +12,6 @@ where llama.cpp's token is that close to our top-1. The engine is loaded once pe
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -105,17 +104,5 @@ def test_greedy_streams_agree_with_llama_cpp(smollm2_engine, greedy_cases, parit
 
 
 @pytest.mark.model
-def test_perplexity_matches_llama_cpp(smollm2_engine, fixtures_dir):
-    from minfer.perplexity import perplexity
-
-    text = (fixtures_dir / "perplexity_gpl3.txt").read_text(encoding="utf-8")
-    t0 = time.perf_counter()
-    res = perplexity(smollm2_engine, text, n_ctx=512, progress=False)
-    dt = time.perf_counter() - t0
-    print(f"\n[smollm2] perplexity n_ctx 512: {res.n_chunks} chunks, PPL {res.ppl:.4f} +/- {res.err:.4f} "
-          f"(llama.cpp {LLAMA_CPP_PPL}: {res.ppl / LLAMA_CPP_PPL - 1:+.2%}), {dt:.0f} s")
-    print("[smollm2] running: " + ",".join(f"[{i + 1}]{p:.4f}" for i, p in enumerate(res.running)))
-    assert res.n_chunks == len(LLAMA_CPP_RUNNING)
-    assert res.count == res.n_chunks * 255
-    assert abs(res.ppl / LLAMA_CPP_PPL - 1) < 0.01
-    np.testing.assert_allclose(res.running, LLAMA_CPP_RUNNING, rtol=0.01)
+def test_perplexity_matches_llama_cpp(smollm2_engine, check_perplexity):
+    check_perplexity(smollm2_engine, "smollm2", LLAMA_CPP_PPL, LLAMA_CPP_RUNNING, rtol_running=0.01)
