@@ -125,8 +125,8 @@ __device__ __forceinline__ float4 rope_lane(float4 x, const float* __restrict__ 
 // the log2 domain (exp2f). grid = (n_kv, n_split), n_split * DEC_CHUNK >= n_ctx,
 // block = DEC_THREADS; a block whose keys start past p writes nothing (the combine
 // reads only the splits that hold keys). Warp w takes keys j0+w, j0+w+DEC_WARPS, ...
-// two at a time, both rows loaded before either is used, so a warp waits for memory
-// once per pair; lane l holds dims 4l..4l+3.
+// two at a time, the next pair's rows loaded while this pair is added in; lane l
+// holds dims 4l..4l+3.
 // With cos_sin (n_pos, 64, 2) given, q and k_new come un-rotated: every block
 // rotates its query heads, and the block that holds key p rotates k_new and stores
 // it and v_new (1, n_kv, 128) f32 into row p before reading it (rope_store_kv_f16's
@@ -164,13 +164,22 @@ attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restri
         acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.f;
     }
     if (cs) __syncthreads();                                // row p stored before any warp reads it
+    // keys j and j + DEC_WARPS (the second clamped to the first past j1) of this lane
+    auto load_pair = [&](int j, uint2 (&kw)[2], uint2 (&vw)[2]) {
+        const int jb = j + DEC_WARPS < j1 ? j + DEC_WARPS : j;
+        const size_t at = ((size_t)j * n_kv + kvh) * FA_HD + d0, bt = ((size_t)jb * n_kv + kvh) * FA_HD + d0;
+        kw[0] = *(const uint2*)(kc + at); kw[1] = *(const uint2*)(kc + bt);
+        vw[0] = *(const uint2*)(vc + at); vw[1] = *(const uint2*)(vc + bt);
+    };
+    // the next pair's loads are issued before this pair's arithmetic, so a warp
+    // waits on memory once, not once per pair (after 3,325 keys a warp walks 16)
+    uint2 kw[2], vw[2];
+    if (j0 + warp < j1) load_pair(j0 + warp, kw, vw);
     for (int j = j0 + warp; j < j1; j += 2 * DEC_WARPS) {
-        const int jb = j + DEC_WARPS;
-        const bool two = jb < j1;
-        const size_t at = ((size_t)j * n_kv + kvh) * FA_HD + d0;
-        const size_t bt = ((size_t)(two ? jb : j) * n_kv + kvh) * FA_HD + d0;
-        const uint2 kw[2] = {*(const uint2*)(kc + at), *(const uint2*)(kc + bt)};
-        const uint2 vw[2] = {*(const uint2*)(vc + at), *(const uint2*)(vc + bt)};
+        const bool two = j + DEC_WARPS < j1;
+        const int jn = j + 2 * DEC_WARPS;
+        uint2 kn[2], vn[2];
+        if (jn < j1) load_pair(jn, kn, vn);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             if (u == 1 && !two) break;
@@ -188,6 +197,9 @@ attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restri
                 for (int i = 0; i < 4; ++i) acc[g][i] = acc[g][i] * c + p * v4[i];
                 m[g] = mn;
             }
+        }
+        if (jn < j1) {
+            kw[0] = kn[0]; kw[1] = kn[1]; vw[0] = vn[0]; vw[1] = vn[1];
         }
     }
 #pragma unroll
@@ -219,21 +231,52 @@ attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restri
 // part (n_head, n_split, DEC_PART) -> o (n_head * 128) f32 and/or its q8_1 form
 // oq, od, os (the o projection's operand: quantize_q8_1's bits, a warp per block of
 // 32), merging the splits that hold keys 0..p; either output nullable;
-// grid = n_head, block = FA_HD
+// grid = n_head, block = FA_HD.
+// The merge: M = the splits' largest max, then L = sum of l_s * c_s and A = sum of
+// a_s * c_s in split order, c_s = exp2(m_s - M). After 3,325 keys that is 52 splits,
+// and a loop that loaded them one after another waited on L2 for each: the block
+// loads a chunk of the splits' (m, l) at once (one split per thread), forms c_s
+// once per split, and each thread loads DEC_AHEAD of its a_s before adding them,
+// in the same order (the same bits).
+#define DEC_AHEAD 16
 extern "C" __global__ void __launch_bounds__(FA_HD)
 attn_decode_combine(const float* __restrict__ part, float* __restrict__ o, i8* __restrict__ oq,
                     float* __restrict__ od, float* __restrict__ os, int n_split, int pos0,
                     const int* __restrict__ pos_dev) {
+    __shared__ float s_l[FA_HD], s_c[FA_HD], s_max[FA_HD / 32];
     const int used = min(n_split, ((pos_dev ? *pos_dev : pos0) + DEC_CHUNK) / DEC_CHUNK);
     const float* p = part + (size_t)blockIdx.x * n_split * DEC_PART;
     const int d = threadIdx.x;
-    float M = DEC_NEG_INF;
-    for (int s = 0; s < used; ++s) M = fmaxf(M, p[s * DEC_PART]);
+    float M = DEC_NEG_INF;                                  // (a max: the order is free)
+    for (int s = d; s < used; s += FA_HD) M = fmaxf(M, p[(size_t)s * DEC_PART]);
+    for (int k = 16; k > 0; k >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, k));
+    if (d % 32 == 0) s_max[d / 32] = M;
+    __syncthreads();
+    M = s_max[0];
+    for (int w = 1; w < FA_HD / 32; ++w) M = fmaxf(M, s_max[w]);
     float L = 0.f, A = 0.f;
-    for (int s = 0; s < used; ++s) {
-        const float c = exp2f(p[s * DEC_PART] - M);
-        L += p[s * DEC_PART + 1] * c;
-        A += p[s * DEC_PART + 2 + d] * c;
+    for (int c0 = 0; c0 < used; c0 += FA_HD) {
+        const int n = min(FA_HD, used - c0);
+        if (d < n) {
+            const float m = p[(size_t)(c0 + d) * DEC_PART];
+            s_l[d] = p[(size_t)(c0 + d) * DEC_PART + 1];
+            s_c[d] = exp2f(m - M);
+        }
+        __syncthreads();
+        for (int s0 = 0; s0 < n; s0 += DEC_AHEAD) {
+            float a[DEC_AHEAD];
+#pragma unroll
+            for (int u = 0; u < DEC_AHEAD; ++u)
+                a[u] = s0 + u < n ? p[(size_t)(c0 + s0 + u) * DEC_PART + 2 + d] : 0.f;
+#pragma unroll
+            for (int u = 0; u < DEC_AHEAD; ++u) {
+                if (s0 + u >= n) break;
+                const float c = s_c[s0 + u];
+                L += s_l[s0 + u] * c;
+                A += a[u] * c;
+            }
+        }
+        __syncthreads();                                    // before the next chunk's loads
     }
     const float y = A / L;
     if (o) o[(size_t)blockIdx.x * FA_HD + d] = y;
