@@ -8,7 +8,10 @@ for the Q8_0 head) and this forward computes in float32, so a near-tie can flip.
 int8 engine's parity model (tests/conftest.py) bounds the relative logits error of a
 forward with G such GEMMs by parity_bound(0, G, 0); a stream may leave llama.cpp's only
 where llama.cpp's token is that close to our top-1. The engine is loaded once per session
-(the `smollm2_engine` fixture)."""
+(the `smollm2_engine` fixture).
+
+With MINFER_CPU_MATH=ggml the CPU backend does llama.cpp's CPU arithmetic itself
+(minfer/backend/ggml_cpu.py); its greedy streams are held to llama.cpp's exactly."""
 from __future__ import annotations
 
 import json
@@ -106,3 +109,34 @@ def test_greedy_streams_agree_with_llama_cpp(smollm2_engine, greedy_cases, parit
 @pytest.mark.model
 def test_perplexity_matches_llama_cpp(smollm2_engine, check_perplexity):
     check_perplexity(smollm2_engine, "smollm2", LLAMA_CPP_PPL, LLAMA_CPP_RUNNING, rtol_running=0.01)
+
+
+@pytest.fixture(scope="module")
+def ggml_engine(smollm2_path):
+    """A CPU engine with MINFER_CPU_MATH=ggml (read when the backend is made)."""
+    from minfer.engine import Engine
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINFER_CPU_MATH", "ggml")
+        eng = Engine.load(str(smollm2_path), backend="cpu", n_ctx=256, progress=False)
+    assert eng.backend.math == "ggml"
+    return eng
+
+
+@pytest.mark.model
+def test_ggml_math_greedy_streams_are_llama_cpps(ggml_engine, greedy_cases):
+    """llama.cpp's CPU arithmetic reproduced: the first 16 greedy tokens (prefill, then
+    one decode step at a time) are llama.cpp's on at least 5 of the 6 prompts (the
+    float32 reference: 4, parting at near-ties)."""
+    from minfer.generate import GenerationStats, generate
+
+    tok = ggml_engine.tokenizer
+    same, report = 0, []
+    for case in greedy_cases:
+        ids = list(generate(ggml_engine, case["prompt_ids"], N_COMPARED, ignore_eos=True,
+                            stats=GenerationStats()))
+        gen = _llama_cpp_ids(tok, case)[:N_COMPARED]
+        k = next((j for j, (a, b) in enumerate(zip(ids, gen)) if a != b), N_COMPARED)
+        same += k == N_COMPARED
+        report.append(f"{k}/{N_COMPARED}")
+    print(f"\n[smollm2, MINFER_CPU_MATH=ggml] leading tokens equal to llama.cpp's: {', '.join(report)}")
+    assert same >= 5

@@ -18,10 +18,16 @@ When the float32 weights would not fit (more than FIT_FRACTION of the memory
 available at start: the 7B needs ~30 GB), every quantized weight stays
 quantized and `linear` dequantizes it on each call instead: the same numbers
 (the same dequantizer, the same matmul), slower; one line on stderr says so.
+
+`MINFER_CPU_MATH=ggml` trades the float32 reference for llama.cpp's own CPU
+arithmetic (ggml_cpu.py: 8-bit activations, f16 attention, its order of sums), so
+that a greedy stream follows llama.cpp's CPU build through near-ties. Weights stay
+quantized; only the types ggml_cpu reproduces are accepted.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +38,18 @@ from gguf import GGMLQuantizationType
 from .. import quants, rope
 from ..config import ModelConfig
 from ..errors import MinferError
+from . import ggml_cpu
 from .base import Backend
+
+MATH = ("f32", "ggml")             # MINFER_CPU_MATH: the float32 reference, or llama.cpp's CPU arithmetic
+
+
+def math_setting(environ=None) -> str:
+    """MINFER_CPU_MATH (default f32) -> one of MATH; anything else is a one-line error."""
+    value = (os.environ if environ is None else environ).get("MINFER_CPU_MATH", "f32").strip().lower() or "f32"
+    if value not in MATH:
+        raise MinferError(f"MINFER_CPU_MATH={value!r}: expected one of {', '.join(MATH)}")
+    return value
 
 
 class QuantTable:
@@ -45,6 +62,13 @@ class QuantTable:
         self.qtype = qtype
         self.shape = shape                 # (rows, cols) in float32 terms
         self._dense: np.ndarray | None = None
+        self._blocks = None
+
+    def ggml_blocks(self):
+        """The blocks decoded for ggml_cpu.matmul (kept after the first call)."""
+        if self._blocks is None:
+            self._blocks = ggml_cpu.weight_blocks(self.raw, self.qtype, *self.shape)
+        return self._blocks
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
         """idx int (T,) -> float32 (T, cols)"""
@@ -129,8 +153,11 @@ def available_bytes() -> int | None:
 class CPUBackend(Backend):
     name = "cpu"
 
-    def __init__(self, cfg: ModelConfig, keep_quantized: bool | None = None):
+    def __init__(self, cfg: ModelConfig, keep_quantized: bool | None = None, math: str | None = None):
         super().__init__(cfg)
+        self.math = math_setting() if math is None else math_setting({"MINFER_CPU_MATH": math})
+        if self.math == "ggml":
+            keep_quantized = True           # the dot products read the quantized blocks
         if keep_quantized is None:          # decided once, from the model's size and this machine
             need, have = f32_weight_bytes(cfg), available_bytes()
             keep_quantized = have is not None and need > FIT_FRACTION * have
@@ -150,6 +177,10 @@ class CPUBackend(Backend):
             return quants.dequantize_rows(raw, qtype, info.shape[0]).reshape(info.shape[0])  # (n,)
         if len(info.shape) != 2:
             raise MinferError(f"tensor {name}: expected 1 or 2 dimensions, got shape {info.shape}")
+        if self.math == "ggml" and qtype not in ggml_cpu.TYPES:
+            raise MinferError(f"tensor {name}: MINFER_CPU_MATH=ggml reproduces llama.cpp's arithmetic for "
+                              f"{', '.join(t.name for t in ggml_cpu.TYPES)} weights, not {qtype.name}; "
+                              f"unset it for the float32 reference")
         if name == "token_embd.weight" or (self.keep_quantized and qtype != GGMLQuantizationType.F32):
             return QuantTable(raw, qtype, tuple(info.shape))                  # (rows, cols) quantized
         return quants.dequantize_rows(raw, qtype, info.shape[1])              # (n_out, n_in) f32
@@ -193,14 +224,19 @@ class CPUBackend(Backend):
 
     def rmsnorm(self, x, w, eps):
         """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w"""
+        if self.math == "ggml":
+            return ggml_cpu.rmsnorm(x, eps) * w
         ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)     # (T, 1) f64, as ggml
         return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * w
 
     def linear(self, x, w, bias=None, residual=None):
         """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] [residual + ] -> (T, n_out)"""
-        if isinstance(w, QuantTable):       # tied LM head, or weights kept quantized
-            w = w.dense(keep=not self.keep_quantized)
-        y = x @ w.T
+        if self.math == "ggml":
+            y = ggml_cpu.matmul(x, w.ggml_blocks())
+        else:
+            if isinstance(w, QuantTable):   # tied LM head, or weights kept quantized
+                w = w.dense(keep=not self.keep_quantized)
+            y = x @ w.T
         if bias is not None:
             y += bias
         return y if residual is None else residual + y
@@ -215,7 +251,11 @@ class CPUBackend(Backend):
         """cos, sin of pos * theta_i for pos < n_pos: (n_pos, hd/2) float32, grown on demand."""
         if self._cos.shape[0] < n_pos:
             n = max(n_pos, 2 * self._cos.shape[0])
-            angle = rope.angles(n, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)  # (n, hd/2)
+            if self.math == "ggml":
+                angle = ggml_cpu.rope_angles(n, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
+            else:
+                angle = rope.angles(n, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)  # (n, hd/2)
+            angle = np.asarray(angle, np.float64)       # cos, sin rounded once to f32 (as cosf, sinf)
             self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
         return self._cos[:n_pos], self._sin[:n_pos]
 
@@ -238,6 +278,10 @@ class CPUBackend(Backend):
         cfg = self.cfg
         T, _, hd = q.shape
         S = pos0 + T                                          # keys visible to the last query
+        if self.math == "ggml":             # an f16 cache, as llama.cpp's
+            cache.k[layer, pos0:S] = k.astype(np.float16)
+            cache.v[layer, pos0:S] = v.astype(np.float16)
+            return ggml_cpu.flash_attention(q, cache.k[layer], cache.v[layer], pos0, cfg.n_rep)
         cache.k[layer, pos0:S] = k
         cache.v[layer, pos0:S] = v
         # query t (position pos0+t) sees keys 0..pos0+t
