@@ -16,8 +16,11 @@ from minfer.errors import MinferError
 
 
 def _x(rng, *shape):
+    """values of varied scale per column; past 64 columns the first block of 32 is all
+    zero (amax == 0: d = 0, q = 0)"""
     x = (rng.standard_normal(shape) * rng.uniform(0.1, 3.0, shape[-1])).astype(np.float32)
-    x[..., :32] = 0.0 if shape[-1] > 64 else x[..., :32]         # an all-zero block (amax == 0)
+    if shape[-1] > 64:
+        x[..., :32] = 0.0
     return x
 
 
