@@ -99,18 +99,15 @@ def matmul(x, blocks) -> np.ndarray:
         t1 = min(T, t0 + step)
         lanes = np.einsum("tbli,obli->btol", qx[t0:t1].reshape(t1 - t0, nb, 8, 4).astype(F32), w_lanes,
                           optimize=True)                                   # (nb, t, rows, 8), exact
-        # fma(d_w * d_x, lane, acc) block after block: the product exact in float64,
-        # each sum rounded once to f32
-        scale = (d_w.T[:, None, :] * dx[t0:t1].T[:, :, None]).astype(F32).astype(np.float64)  # (nb, t, rows)
+        scale = (d_w.T[:, None, :] * dx[t0:t1].T[:, :, None]).astype(F32)    # (nb, t, rows) d_w * d_x
         acc = np.zeros((t1 - t0, rows, 8), F32)
-        for b in range(nb):
-            acc = (scale[b][..., None] * lanes[b] + acc).astype(F32)
+        for b in range(nb):                  # fma(d_w * d_x, lane, acc), block after block
+            acc = fma(scale[b][..., None], lanes[b], acc)
         out = hsum8(acc)
         if m_w is not None:                  # the m * s terms: a scalar fma chain
-            ms = m_w.T[:, None, :].astype(np.float64) * sx[t0:t1].T[:, :, None]   # (nb, t, rows)
             summs = np.zeros((t1 - t0, rows), F32)
             for b in range(nb):
-                summs = (ms[b] + summs).astype(F32)
+                summs = fma(m_w[None, :, b], sx[t0:t1, b, None], summs)
             out = (out + summs).astype(F32)
         y[t0:t1] = out
     return y
