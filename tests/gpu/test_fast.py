@@ -190,6 +190,59 @@ def test_gemm_f16(T, K, N):
         assert err.max() < tol, (dtype, err.max())
 
 
+@pytest.mark.parametrize("T,K,N", [(5, 512, 72), (333, 1536, 520), (1000, 896, 4864)])
+def test_gemm_candidates_give_the_same_bits(T, K, N):
+    """cublas.py may run any of the heuristic's (non split-K) candidates for a problem
+    (the eager and the replayed choice differ): each must give the bits of the first."""
+    import cupy as cp
+    from minfer.backend.cuda import cublas
+    lt = cublas._lt()
+    rng = np.random.default_rng(T * K + N)
+    x16 = cp.asarray(rng.standard_normal((T, K)).astype(np.float16))
+    w16 = cp.asarray((rng.standard_normal((N, K)) * 0.05).astype(np.float16))
+    for dtype, c_type in ((cp.float32, cublas.CUDA_R_32F), (cp.float16, cublas.CUDA_R_16F)):
+        outs = []
+        for algo in lt.candidates(N, K, T, c_type):
+            out = cp.full((T, N), cp.nan, dtype=dtype)
+            lt.matmul(x16, w16, out, cublas._ZERO, algo, cp.cuda.get_current_stream().ptr)
+            outs.append(out.get())
+        assert len(outs) >= 1
+        for o in outs[1:]:
+            _assert_bits_equal(o, outs[0])
+
+
+def test_gemm_choice_first_use_and_replay():
+    """A new shape preloads the first choices at the grid's lengths: a grid length
+    then runs its first choice eagerly; an off-grid length runs the best candidate
+    among the preloaded kernels (the first choice when none is); under
+    best_kernels() every length runs the first choice. Outputs equal either way."""
+    import cupy as cp
+    from minfer.backend.cuda import cublas
+    lt = cublas._lt()
+    K, N = 1280, 328                                  # a shape no other test uses
+    rng = np.random.default_rng(7)
+    w16 = cp.asarray((rng.standard_normal((N, K)) * 0.05).astype(np.float16))
+    before = cublas.stats()
+    for T in (cublas.GRID_STEP * 3, 2, 777, 1999):
+        x16 = cp.asarray(rng.standard_normal((T, K)).astype(np.float16))
+        eager = cublas.gemm_f16(x16, w16, cp.empty((T, N), cp.float32))
+        with cublas.best_kernels():
+            best = cublas.gemm_f16(x16, w16, cp.empty((T, N), cp.float32))
+        _assert_bits_equal(eager.get(), best.get())
+        cands = lt.candidates(N, K, T, cublas.CUDA_R_32F)
+        loaded = lt.preloaded[(N, K, cublas.CUDA_R_32F)]
+        plan = lt._plans[(N, K, T, cublas.CUDA_R_32F, 256)]
+        assert bytes(plan[1]) == bytes(cands[0])
+        want = next((c for c in cands if cublas._kernel_key(c) in loaded), cands[0])
+        assert bytes(plan[0]) == bytes(want)
+        if T in cublas.preload_grid():
+            assert bytes(plan[0]) == bytes(cands[0]), T
+    after = cublas.stats()
+    assert after["problems"] - before["problems"] == 4
+    assert after["preloaded kernels"] > before["preloaded kernels"]
+    assert after["first choice"] - before["first choice"] >= 2       # the two grid lengths
+
+
 @pytest.mark.parametrize("qtype,use_exp", [(QT.Q4_K, False), (QT.Q6_K, False), (QT.Q6_K, True)])
 def test_linear_f16(qtype, use_exp):
     """x f32 -> f16, W -> f16 (exact per the dequant tests), one GEMM: compared with

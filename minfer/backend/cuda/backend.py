@@ -76,8 +76,8 @@ class CudaTimer(Timer):
 
 class CUDABackend(Backend):
     name = "cuda"
-    # cuBLAS picks its GEMM kernels by shape and loads each on first use (some ms
-    # apiece): a short and a medium prompt load the kernels most prompts then take
+    # a short and a medium prompt: every GEMM shape is met (cublas.py then preloads
+    # its kernels), the kernel modules load and the scratch buffers are allocated
     warmup_lengths = (2, 256)
 
     def __init__(self, cfg: ModelConfig, settings: CudaSettings | None = None):
