@@ -48,8 +48,10 @@ __device__ __forceinline__ float with_bias(const float* __restrict__ x, size_t a
 }
 
 // q (T, n_head, hd) [+ bq] -> rotated into qo (f32) or qo16 (f16, the flash
-// attention's operand); k (T, n_kv, hd) [+ bk] rotated and v [+ bv] -> rows
-// p..p+T-1 of one layer's f16 caches kc, vc (n_ctx, n_kv, hd). The biases (nullable)
+// attention's operand, (T, n_head, hd) packed); k (T, n_kv, hd) [+ bk] rotated and
+// v [+ bv] -> rows p..p+T-1 of one layer's f16 caches kc, vc (n_ctx, n_kv, hd).
+// q's token rows are ldq floats apart, k's and v's ldkv: they may be column blocks
+// of one GEMM's output over the concatenated q/k/v weights. The biases (nullable)
 // are the q/k/v projections' own, added here instead of after the GEMMs: the same
 // f32 sums. cos_sin (n_pos, hd/2, 2) as in rope.cu; NeoX halves or adjacent pairs.
 // One thread per pair of one head of q or k (the k threads also store v's two
@@ -60,7 +62,7 @@ rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, u16* __re
                   const float* __restrict__ bq, const float* __restrict__ bk,
                   const float* __restrict__ bv, u16* __restrict__ kc, u16* __restrict__ vc,
                   const float* __restrict__ cos_sin, int T, int n_head, int n_kv, int hd,
-                  int pos0, const int* __restrict__ pos_dev, int neox) {
+                  long long ldq, long long ldkv, int pos0, const int* __restrict__ pos_dev, int neox) {
     const int half = hd / 2, heads = n_head + n_kv;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (long long)T * heads * half) return;
@@ -70,9 +72,10 @@ rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, u16* __re
     const float* cs = cos_sin + ((size_t)p * half + i) * 2;
     float ya, yb;
     if (hh < n_head) {
-        const size_t base = ((size_t)t * n_head + hh) * hd;
+        const size_t base = ((size_t)t * n_head + hh) * hd;      // in qo / qo16
         const int e = hh * hd;
-        rope_rotate(with_bias(q, base + ia, bq, e + ia), with_bias(q, base + ib, bq, e + ib),
+        const size_t src = (size_t)t * ldq + e;
+        rope_rotate(with_bias(q, src + ia, bq, e + ia), with_bias(q, src + ib, bq, e + ib),
                     cs[0], cs[1], &ya, &yb);
         if (qo16) {
             qo16[base + ia] = (u16)f16_bits_rn(ya);
@@ -84,7 +87,7 @@ rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, u16* __re
         return;
     }
     const int kvh = hh - n_head, e = kvh * hd;
-    const size_t src = ((size_t)t * n_kv + kvh) * hd, dst = ((size_t)p * n_kv + kvh) * hd;
+    const size_t src = (size_t)t * ldkv + e, dst = ((size_t)p * n_kv + kvh) * hd;
     rope_rotate(with_bias(k, src + ia, bk, e + ia), with_bias(k, src + ib, bk, e + ib),
                 cs[0], cs[1], &ya, &yb);
     kc[dst + ia] = (u16)f16_bits_rn(ya);

@@ -4,7 +4,9 @@
     matvecs (3 weights) == three matvec launches; with a residual == add(res, matvec)
     swiglu_q8_1         == quantize_q8_1(swiglu(gate, up))
     rope_store_kv_f16   == rope(q), rope(k), store_kv_f16(k, v); with the q/k/v biases
-                           and q to f16 == the bias adds, then those, then cast_f16(q)
+                           and q to f16 == the bias adds, then those, then cast_f16(q);
+                           q/k/v as column blocks of one matrix == packed q/k/v
+    q/k/v as one f16 GEMM over the weights side by side == three GEMMs
     rmsnorm (f16 out)   == cast_f16(rmsnorm(x))
     decode attention with the q8_1 output == quantize_q8_1(decode attention)
     f16 GEMM accumulating into the residual ~= residual + GEMM (cuBLAS may take
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from .test_mmq import _pad, _weights
+from .test_mmq import _acts, _info, _pad, _weights
 from .test_quants32 import _random_blocks
 
 pytestmark = pytest.mark.gpu
@@ -272,3 +274,55 @@ def test_f16_gemm_accumulates_into_the_residual(cp, T, K, N):
     assert np.abs(cp.asnumpy(acc) - want).max() <= tol
     with pytest.raises(ValueError, match="order"):
         f16.gemm_w16(xh, w16, out=acc, bias=cp.zeros(N, cp.float32), accumulate=True)
+
+
+@pytest.mark.parametrize("T,pos", [(6, 5), (37, 0)])
+def test_rope_store_kv_reads_column_blocks_of_one_matrix(cp, T, pos):
+    """q, k, v as views into one (T, (n_head + 2 n_kv) hd) matrix (the grouped q/k/v
+    GEMM's output) give the q16 and cache bytes of the same values packed."""
+    from minfer.backend.cuda import attention, ops
+    rng = np.random.default_rng([T, pos, 2])
+    n_head, n_kv, hd, n_ctx = 12, 2, 128, 96
+    table = cp.asarray(ops.rope_table(n_ctx, hd, 1e6))
+    y = cp.asarray((rng.standard_normal((T, (n_head + 2 * n_kv) * hd)) * 3).astype(np.float32))
+    a, b = n_head * hd, (n_head + n_kv) * hd
+    views = [y[:, :a].reshape(T, n_head, hd), y[:, a:b].reshape(T, n_kv, hd), y[:, b:].reshape(T, n_kv, hd)]
+    assert not views[0].flags.c_contiguous
+    packed = [cp.ascontiguousarray(t) for t in views]
+    bq, bk, bv = (cp.asarray(rng.standard_normal(h * hd).astype(np.float32)) for h in (n_head, n_kv, n_kv))
+    outs = []
+    for q, k, v in (packed, views):
+        kc, vc = (cp.full((n_ctx, n_kv, hd), np.nan, cp.float16) for _ in range(2))
+        q16 = cp.full((T, n_head, hd), np.nan, cp.float16)
+        attention.rope_store_kv_f16(q, k, v, kc, vc, table, pos, True, q16, biases=(bq, bk, bv))
+        outs.append([cp.asnumpy(t) for t in (q16, kc, vc)])
+    for got, want in zip(outs[1], outs[0]):
+        assert _same(got, want)
+    with pytest.raises(ValueError, match="strides"):
+        attention.rope_store_kv_f16(views[0], views[1], packed[2], kc, vc, table, pos, True, q16)
+
+
+def test_qkv_as_one_gemm_equals_three_gemms(cp, cuda_linears):
+    """norm_linears(views=True) on the f16 engine: q4_K q/k and a q6_K v (through its
+    W_exp plane) dequantized side by side, one GEMM; each block equals its own GEMM
+    bit for bit, and each weight is counted as before."""
+    T, d = 37, 512
+    st, gemm = cuda_linears()
+    ws = []
+    for name, qt, n_out in (("blk.0.attn_q.weight", QT.Q4_K, 512), ("blk.0.attn_k.weight", QT.Q4_K, 128),
+                            ("blk.0.attn_v.weight", QT.Q6_K, 128)):
+        ws.append(st.register(name, _info(name, qt, n_out, d), _weights(qt, n_out, d, seed=len(ws) + 3)))
+    x = cp.asarray(_acts(T, d, seed=5))
+    norm_w = cp.asarray(np.random.default_rng(5).uniform(0.5, 1.5, d).astype(np.float32))
+    assert gemm.groups(T, ws, (None,) * 3)
+    gemm.counters.reset()
+    grouped = gemm.norm_linears(x, norm_w, 1e-6, ws, (None,) * 3, views=True)
+    counts = dict(gemm.counters.counts)
+    gemm.counters.reset()
+    alone = gemm.norm_linears(x, norm_w, 1e-6, ws, (None,) * 3)
+    assert counts == gemm.counters.counts and counts["q6k exp"] == 1 and counts["q4k_f16"] == 2
+    assert grouped[1].base is grouped[0].base and not grouped[0].flags.c_contiguous
+    for g, a in zip(grouped, alone):
+        assert g.shape == a.shape and _same(cp.asnumpy(g), cp.asnumpy(a))
+    assert not gemm.groups(T, ws, (None, cp.zeros(128, cp.float32), None))      # a bias: separate
+    assert not gemm.groups(1, ws, (None,) * 3)                                   # a decode row: matvecs

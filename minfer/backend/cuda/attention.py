@@ -25,8 +25,8 @@ import numpy as np
 
 from ...errors import MinferError
 from .f16 import cast_f16
-from .launch import (NULL, DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, cp, kernel, or_null,
-                     out_array, pos_args, pos_value, scratch_view)
+from .launch import (NULL, DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, check_rows, cp, kernel,
+                     or_null, out_array, pos_args, pos_value, scratch_view)
 from .nvrtc import K
 
 FA_HD = K["FA_HD"]
@@ -174,16 +174,21 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
     """q (T, n_head, hd), k, v (T, n_kv, hd) f32 at positions pos.. (an int or a
     launch.DevicePos): rotates q into q_out (f32, or f16: the flash attention's
     operand), and k, then stores k and v into rows pos..pos+T-1 of one layer's f16
-    caches (n_ctx, n_kv, hd) -> q_out. biases: the q/k/v projections' biases
-    (n_head*hd,), (n_kv*hd,), (n_kv*hd,) or None, added first. The values of the
-    bias adds, ops.rope (q and k), store_kv_f16 and cast_f16, bit for bit, in one launch."""
-    check(q, "rope_store_kv_f16 q", cp.float32, ndim=3)
+    caches (n_ctx, n_kv, hd) -> q_out. q, k and v may be column blocks of one
+    wider (T, n) matrix (each token's heads packed, its rows further apart; k and v
+    the same row stride). biases: the q/k/v projections' biases (n_head*hd,),
+    (n_kv*hd,), (n_kv*hd,) or None, added first. The values of the bias adds,
+    ops.rope (q and k), store_kv_f16 and cast_f16, bit for bit, in one launch."""
+    if getattr(q, "ndim", 0) != 3:
+        raise ValueError(f"rope_store_kv_f16 q: expected (T, n_head, hd), got {getattr(q, 'shape', q)}")
     T, n_head, hd = q.shape
+    ldq = check_rows(q, "rope_store_kv_f16 q", cp.float32, q.shape)
     check(k_cache, "rope_store_kv_f16 k_cache", cp.float16, ndim=3)
     n_ctx, n_kv, _ = k_cache.shape
     check(v_cache, "rope_store_kv_f16 v_cache", cp.float16, (n_ctx, n_kv, hd))
-    check(k, "rope_store_kv_f16 k", cp.float32, (T, n_kv, hd))
-    check(v, "rope_store_kv_f16 v", cp.float32, (T, n_kv, hd))
+    ldkv = check_rows(k, "rope_store_kv_f16 k", cp.float32, (T, n_kv, hd))
+    if check_rows(v, "rope_store_kv_f16 v", cp.float32, (T, n_kv, hd)) != ldkv:
+        raise ValueError(f"rope_store_kv_f16: k and v rows of different strides ({k.strides}, {v.strides})")
     check(cos_sin, "rope_store_kv_f16 cos_sin", cp.float32, ndim=3)
     if hd % 2 or cos_sin.shape[1:] != (hd // 2, 2):
         raise ValueError(f"rope_store_kv_f16: table {cos_sin.shape} does not fit head dim {hd}")
@@ -201,7 +206,7 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
             (blocks_1d(n),), (THREADS_1D,),
             (q, NULL if half else q_out, q_out if half else NULL, k, v, *map(or_null, biases),
              k_cache, v_cache, cos_sin, np.int32(T), np.int32(n_head), np.int32(n_kv),
-             np.int32(hd), *pos_args(pos), np.int32(bool(neox))))
+             np.int32(hd), np.int64(ldq), np.int64(ldkv), *pos_args(pos), np.int32(bool(neox))))
     return q_out
 
 

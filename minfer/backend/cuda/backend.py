@@ -222,7 +222,7 @@ class CUDABackend(Backend):
             return self.gemm.linear_q8(q8, wo, residual=x)
         if not (T > 1 and cache.k.dtype == cp.float16 and self.gemm.all_f16(x, (wq, wk, wv))):
             return super().attention_block(x, norm_w, eps, wq, wk, wv, biases, wo, cache, layer, pos0)
-        q, k, v = self.gemm.norm_linears(x, norm_w, eps, (wq, wk, wv), (None, None, None))
+        q, k, v = self.gemm.norm_linears(x, norm_w, eps, (wq, wk, wv), (None, None, None), views=True)
         a = self._rope_attention_f16(q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_head_kv, hd),
                                      v.reshape(T, cfg.n_head_kv, hd), cache, layer, pos0,
                                      biases=biases)

@@ -167,7 +167,8 @@ class _Lt:
             p = ctypes.c_void_p()
             _ok(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(p)), "cublasLtMatmulPreferenceCreate")
             ws = ctypes.c_uint64(WORKSPACE_BYTES)
-            _ok(self.lib.cublasLtMatmulPreferenceSetAttribute(p, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
+            _ok(self.lib.cublasLtMatmulPreferenceSetAttribute(p, PREF_MAX_WORKSPACE_BYTES,
+                                                              ctypes.byref(ws), 8),
                 "cublasLtMatmulPreferenceSetAttribute")
             a = ctypes.c_uint32(align)
             for attr in PREF_MIN_ALIGNMENT:

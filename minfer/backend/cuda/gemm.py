@@ -182,16 +182,46 @@ class Gemms:
                 return self._matvecs(q8, ws, biases)
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
 
-    def norm_linears(self, x, norm_w, eps: float, ws, biases) -> list:
+    def norm_linears(self, x, norm_w, eps: float, ws, biases, views: bool = False) -> list:
         """rmsnorm(x) * norm_w, then linears: one decode row goes from the norm straight
-        to q8_1 (int8.rmsnorm_q8_1), the same values as the two steps."""
+        to q8_1 (int8.rmsnorm_q8_1), the same values as the two steps. views: on the
+        f16 engine the results may be column blocks of one GEMM's output (_f16_group),
+        for a caller that reads rows of any stride."""
         if self.all_matvec(x, ws):
             q8 = int8.rmsnorm_q8_1(x, norm_w, eps, *self.q8_scratch(0, 1, x.shape[1]))
             return self._matvecs(q8, ws, biases)
         if self.all_f16(x, ws):                  # the norm writes the f16 operand itself
             xh = ops.rmsnorm(x, norm_w, eps, out=self._x16(x.shape), dtype=cp.float16)
+            if views and self.groups(xh.shape[0], ws, biases):
+                return self._f16_group(xh, ws)
             return [self._f16_gemm(xh, w, bias=b) for w, b in zip(ws, biases)]
         return self.linears(ops.rmsnorm(x, norm_w, eps), ws, biases)
+
+    def groups(self, T: int, ws, biases) -> bool:
+        """Do weights that read the same x run as one GEMM (_f16_group)? On the f16
+        engine, dequantized per GEMM (no kept f16 copies) and without biases."""
+        return (len(ws) > 1 and all(b is None for b in biases)
+                and all(self.path(T, w).engine == "f16" and self.store.f16_of(w) is None for w in ws))
+
+    def _f16_group(self, xh, ws) -> list:
+        """xh f16 (T, n_in) @ [W_1; W_2; ...]^T as one GEMM: each weight dequantized into
+        its rows of the scratch, one (T, sum n_out) f32 output -> its column blocks,
+        views with that row stride. Each output element is the same dot product as
+        alone (the GEMM's kernels sum over K in one order; tests/gpu/test_fused.py)."""
+        T, n_in = xh.shape
+        w16, at = self._w16(sum(w.n_out * n_in for w in ws)), 0
+        for w in ws:
+            p = self.path(T, w)
+            self.counters.count(p)
+            plane = self.store.plane_of(w) if p.reads_plane else None
+            f16.dequant_f16(w.data, w.qtype, w.n_out, w.n_in, w16[at:at + w.n_out * n_in], plane)
+            at += w.n_out * n_in
+        n_all = sum(w.n_out for w in ws)
+        y = f16.gemm_w16(xh, w16[:at].reshape(n_all, n_in))                         # (T, n_all)
+        cols = [0]
+        for w in ws:
+            cols.append(cols[-1] + w.n_out)
+        return [y[:, a:b] for a, b in zip(cols, cols[1:])]
 
     def ffn(self, x, norm_w, eps: float, gate: GpuWeight, up: GpuWeight, down: GpuWeight):
         """The feed-forward sub-block: x + down(silu(gate h) * up h), h = rmsnorm(x) * norm_w.
@@ -308,10 +338,12 @@ class Gemms:
             self._f16x = cp.empty(n, cp.float16)                        # (T*n_in,)
         return self._f16x[:n].reshape(shape)
 
-    def _w16(self):
-        """The f16 weight scratch (the largest layer weight the f16 engine dequantizes)."""
-        if self._f16w is None or self._f16w.size < self.store.f16_elems:
-            self._f16w = cp.empty(self.store.f16_elems, cp.float16)     # (n_out*n_in,) of the largest
+    def _w16(self, n: int = 0):
+        """The f16 weight scratch: the largest layer weight the f16 engine dequantizes,
+        or n elements (a group of weights side by side) when that is more."""
+        n = max(n, self.store.f16_elems)
+        if self._f16w is None or self._f16w.size < n:
+            self._f16w = cp.empty(n, cp.float16)                        # (n_out*n_in,) of the largest
         return self._f16w
 
     def scratch(self) -> tuple:

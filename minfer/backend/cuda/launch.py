@@ -55,6 +55,22 @@ def check(a, what: str, dtype, shape=None, *, size: int | None = None, ndim: int
     return a
 
 
+def check_rows(a, what: str, dtype, shape) -> int:
+    """check() for an array whose rows (first axis) may be further apart than their
+    packed size (a column block of a wider matrix: strides (ld, ..., 1 element)),
+    each row packed -> ld, the row stride in elements."""
+    if not isinstance(a, cp.ndarray) or a.dtype != dtype:
+        raise ValueError(f"{what}: expected a {np.dtype(dtype).name} cupy array, "
+                         f"got {type(a).__name__} {getattr(a, 'dtype', '?')}")
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{what}: shape {tuple(a.shape)}, expected {tuple(shape)}")
+    item, row = a.itemsize, math.prod(shape[1:])
+    packed = all(a.strides[i] == item * math.prod(shape[i + 1:]) for i in range(1, len(shape)))
+    if not packed or a.strides[0] % item or a.strides[0] < item * row:
+        raise ValueError(f"{what}: rows of strides {a.strides} are not packed rows of {row} elements")
+    return a.strides[0] // item
+
+
 def out_array(out, shape, what: str, dtype=None, align16: bool = False):
     """A new (shape) array of dtype (default float32) when out is None, else out
     checked to be exactly that."""
