@@ -7,8 +7,8 @@ across the 7B's four GEMM shapes, against ~17 ms for the whole forward at 512
 tokens). cuBLASLt shows the heuristic's ranked candidates, so the choice is ours:
 
 - the first time a weight shape (N, K, output type) is seen, the first choices at
-  a fixed grid of prompt lengths are loaded (one small GEMM per kernel, ~0.1 s
-  per shape, inside Engine.warmup's prefills);
+  a fixed grid of prompt lengths are loaded (one small GEMM per kernel, ~0.06 s
+  per shape on the 7B, inside Engine.warmup's prefills);
 - eager work takes the heuristic's best candidate among the kernels loaded for
   its shape (a one-shot prompt pays a heuristic query, ~0.1 ms per shape, not
   kernel loads); work recorded for replay (a CUDA graph's capture and the warm
@@ -195,7 +195,7 @@ class _Lt:
         out = [res[j].algo for j in range(n.value) if res[j].state == 0]
         if not out:
             raise MinferError(f"cuBLASLt has no f16 GEMM algorithm for ({T} x {K}) @ ({N} x {K})^T")
-        return [a for a in out if _config(a, CONFIG_SPLITK_NUM) <= 1] or out[:1]
+        return [alg for alg in out if _config(alg, CONFIG_SPLITK_NUM) <= 1] or out[:1]
 
     def algo(self, N: int, K: int, T: int, c_type: int, align: int, best: bool) -> _Algo:
         """The problem's algorithm: best, the heuristic's first choice; else the
