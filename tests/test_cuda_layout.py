@@ -1,12 +1,14 @@
 """The CUDA backend's host-side decisions, without a GPU: the settings read from the
-environment, the GEMM path table, and the W_exp plane inventory of the 7B header
-(the sum of od x id over its tensor table, checked against the allocated planes)."""
+environment, the GEMM path table, the W_exp plane inventory of the 7B header
+(the sum of od x id over its tensor table, checked against the allocated planes),
+and the f16 GEMMs' preload grid and operand alignment (cublas.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from minfer.backend.cuda import cublas
 from minfer.backend.cuda.gemm import gemm_path
 from minfer.backend.cuda.settings import F16_GEMM_MIN_T, CudaSettings
 from minfer.backend.cuda.weights import GpuWeight, expected_plane_bytes, is_plane_tensor, plane_check
@@ -112,3 +114,15 @@ def test_rows_per_warp():
     assert rows_per_warp(QT.Q6_K, QT.Q6_K, 1) == 4                 # the LM head
     assert rows_per_warp(QT.Q4_K, QT.Q6_K, 4) == 4                 # q/k/v with a q6_K attn_v
     assert rows_per_warp(QT.Q4_K, QT.Q4_K, 4) == rows_per_warp(QT.Q5_0, QT.Q5_0, 4) == 4
+
+
+def test_gemm_preload_grid_and_alignment():
+    """The lengths whose first-choice kernels a GEMM shape preloads: the small powers of
+    two, then every 64 up to 4,096 (a prompt's first use then finds its neighbours'
+    kernels loaded); the alignment the heuristic is told is what every operand has."""
+    grid = cublas.preload_grid()
+    assert grid[:6] == [2, 4, 8, 16, 32, 64] and grid[-1] == 4096
+    assert all(b - a == 64 for a, b in zip(grid[5:], grid[6:])) and len(grid) == 5 + 64
+    assert cublas._alignment(0x10000, 0x20000) == 256
+    assert cublas._alignment(0x10000, 0x10080) == 128
+    assert cublas._alignment(0x10000 + 48, 0x20000) == 16
