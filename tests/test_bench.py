@@ -164,6 +164,18 @@ def test_ab_cpu(tiny_model, repo_root):
     assert r["ratio_b_over_a"] > 0 and isinstance(r["separated"], bool)
 
 
+def test_first_use_script_cpu(tiny_model, repo_root):
+    """scripts/first_use.py: prompts cut to the asked token counts, a fresh generate
+    per length beside the bench of the same lengths, one table row each."""
+    p = subprocess.run([sys.executable, str(repo_root / "scripts" / "first_use.py"), "-m", str(tiny_model),
+                        "-p", "9,13", "-r", "1", "-c", "64"],
+                       capture_output=True, text=True, timeout=300, cwd=repo_root)
+    assert p.returncode == 0, p.stderr
+    rows = [line.split("|")[1:-1] for line in p.stdout.splitlines() if line.startswith("| ") and "%" in line]
+    assert [int(r[0]) for r in rows] == [9, 13]
+    assert all(float(r[2].replace(",", "")) > 0 and r[3].strip().endswith("%") for r in rows)
+
+
 def test_format_report_device_rows():
     """The CUDA-only rows (memory by kind, planes beside their expected od x id sum,
     launch paths) render; a mismatch is shown as such."""
