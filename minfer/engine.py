@@ -117,8 +117,8 @@ class Engine:
     def warmup(self) -> float:
         """Short prefills (the backend's warmup_lengths) and one greedy decode step on
         throwaway caches, as llama.cpp's warm-up run: what a backend does once per
-        process on first use (the CUDA backend: cuBLAS's handle and the GEMM kernels
-        it loads lazily per shape, the kernel modules from CuPy's cache, the scratch
+        process on first use (the CUDA backend: cuBLASLt's handle and the GEMM kernels
+        it preloads per weight shape, the kernel modules from CuPy's cache, the scratch
         buffers) happens here instead of inside the first prompt's timing.
         -> seconds it took. Launch counters are reset afterwards, so they count the
         caller's work only."""

@@ -211,10 +211,7 @@ class Gemms:
         T, n_in = xh.shape
         w16, at = self._w16(sum(w.n_out * n_in for w in ws)), 0
         for w in ws:
-            p = self.path(T, w)
-            self.counters.count(p)
-            plane = self.store.plane_of(w) if p.reads_plane else None
-            f16.dequant_f16(w.data, w.qtype, w.n_out, w.n_in, w16[at:at + w.n_out * n_in], plane)
+            self._weight16(T, w, into=w16[at:at + w.n_out * n_in])
             at += w.n_out * n_in
         n_all = sum(w.n_out for w in ws)
         y = f16.gemm_w16(xh, w16[:at].reshape(n_all, n_in))                         # (T, n_all)
@@ -310,14 +307,21 @@ class Gemms:
                 for w, b, o in zip(ws, biases, outs)]
 
     def _f16_gemm(self, xh, w: GpuWeight, out=None, bias=None, accumulate: bool = False):
-        """xh f16 @ W^T: the f16 copy kept since load, else W dequantized into the scratch."""
-        p = self.path(xh.shape[0], w)
+        """xh f16 @ W^T on W's f16 form (_weight16)."""
+        return f16.gemm_w16(xh, self._weight16(xh.shape[0], w), out=out, bias=bias, accumulate=accumulate)
+
+    def _weight16(self, T: int, w: GpuWeight, into=None):
+        """W as an f16 GEMM operand, counted on its path for T rows: the f16 copy kept
+        since load, else W dequantized (from its W_exp plane when the path reads it)
+        into `into` (flat f16, default the weight scratch)."""
+        p = self.path(T, w)
         self.counters.count(p)
         w16 = self.store.f16_of(w)
         if w16 is None:
             plane = self.store.plane_of(w) if p.reads_plane else None
-            w16 = f16.dequant_f16(w.data, w.qtype, w.n_out, w.n_in, self._w16(), plane)
-        return f16.gemm_w16(xh, w16, out=out, bias=bias, accumulate=accumulate)
+            w16 = f16.dequant_f16(w.data, w.qtype, w.n_out, w.n_in,
+                                  self._w16() if into is None else into, plane)
+        return w16
 
     def q8_scratch(self, slot: int, T: int, n: int):
         """q8_1 buffers for x (T, n) in one of two slots (a decode step's FFN reads
