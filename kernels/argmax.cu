@@ -11,6 +11,7 @@ __device__ __forceinline__ void better(float& v, int& i, float v2, int i2) {
 
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_f32(const float* __restrict__ x, int n, int* __restrict__ out) {
+    GRID_DEPENDENCY();
     __shared__ float s_v[ARGMAX_THREADS / 32];
     __shared__ int s_i[ARGMAX_THREADS / 32], s_bad[ARGMAX_THREADS / 32];
     float v = -__int_as_float(0x7f800000);
@@ -41,6 +42,7 @@ argmax_f32(const float* __restrict__ x, int n, int* __restrict__ out) {
 // the position advances (feed = [token, pos]), so the host can queue the next
 // replay of the step's CUDA graph before it has read this one's token.
 extern "C" __global__ void advance_feed(const int* __restrict__ out, int* __restrict__ feed) {
+    GRID_DEPENDENCY();
     feed[0] = out[0];
     feed[1] += 1;
 }

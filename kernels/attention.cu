@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
 attention_f32(const float* __restrict__ q, const float* __restrict__ k_cache,
               const float* __restrict__ v_cache, float* __restrict__ out,
               int T, int n_head, int n_kv, int pos0, float scale) {
+    GRID_DEPENDENCY();
     static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
     constexpr int C = HD / 32;                 // head-dim elements per lane (P.V)
     constexpr int KS = HD + 4;                 // padded K row (floats)

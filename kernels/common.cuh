@@ -13,6 +13,20 @@
 #error "compile through minfer.backend.cuda.nvrtc, or pass its define_flags() to nvcc"
 #endif
 
+// Every kernel's first statement. A kernel launched as a programmatic dependent of
+// the one before it (cuLaunchKernelEx with programmatic stream serialization; the
+// captured graphs, minfer/backend/cuda/dependent.py) is scheduled while its
+// predecessor still runs; here it waits until the predecessor has finished and
+// its writes are visible, and then lets its own dependent be scheduled. Nothing
+// runs before the wait, so each kernel sees memory exactly as in plain stream
+// order. Launched the ordinary way, both instructions return at once.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GRID_DEPENDENCY() \
+    asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define GRID_DEPENDENCY() do { } while (0)
+#endif
+
 typedef unsigned char u8;
 typedef signed char i8;
 typedef unsigned short u16;

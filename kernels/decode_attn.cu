@@ -30,6 +30,7 @@ __device__ __forceinline__ float f16_hi(u32 w) { return f16_to_f32((u16)(w >> 16
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 store_kv_f16(const float4* __restrict__ k, const float4* __restrict__ v, uint2* __restrict__ kc,
              uint2* __restrict__ vc, long long n4, int row, int pos0, const int* __restrict__ pos_dev) {
+    GRID_DEPENDENCY();
     const long long off = (long long)(pos_dev ? *pos_dev : pos0) * row / 4;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
@@ -63,6 +64,7 @@ rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, u16* __re
                   const float* __restrict__ bv, u16* __restrict__ kc, u16* __restrict__ vc,
                   const float* __restrict__ cos_sin, int T, int n_head, int n_kv, int hd,
                   long long ldq, long long ldkv, int pos0, const int* __restrict__ pos_dev, int neox) {
+    GRID_DEPENDENCY();
     const int half = hd / 2, heads = n_head + n_kv;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (long long)T * heads * half) return;
@@ -139,6 +141,7 @@ attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restri
                 float* __restrict__ part, int n_head, int n_kv, int n_split, int pos0,
                 const int* __restrict__ pos_dev, float scale_log2, const float* __restrict__ k_new,
                 const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox) {
+    GRID_DEPENDENCY();
     __shared__ float s_ml[DEC_WARPS][DEC_MAX_G][2];
     __shared__ float s_acc[DEC_WARPS][DEC_MAX_G][FA_HD];
     const int kvh = blockIdx.x, split = blockIdx.y, G = n_head / n_kv;
@@ -246,6 +249,7 @@ extern "C" __global__ void __launch_bounds__(FA_HD)
 attn_decode_combine(const float* __restrict__ part, float* __restrict__ o, i8* __restrict__ oq,
                     float* __restrict__ od, float* __restrict__ os, int n_split, int pos0,
                     const int* __restrict__ pos_dev) {
+    GRID_DEPENDENCY();
     __shared__ float s_l[FA_HD], s_c[FA_HD], s_max[FA_HD / 32];
     const int used = min(n_split, ((pos_dev ? *pos_dev : pos0) + DEC_CHUNK) / DEC_CHUNK);
     const float* p = part + (size_t)blockIdx.x * n_split * DEC_PART;

@@ -9,6 +9,7 @@
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_q4k(const u8* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                  int n) {
+    GRID_DEPENDENCY();
     const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     const u8* blk = W + (size_t)tok[t] * (n / QK_K) * Q4K_BYTES + (size_t)(e / QK_K) * Q4K_BYTES;
@@ -25,6 +26,7 @@ dequant_rows_q4k(const u8* __restrict__ W, const int* __restrict__ tok, float* _
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_q6k(const u8* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                  int n) {
+    GRID_DEPENDENCY();
     const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     const u8* blk = W + (size_t)tok[t] * (n / QK_K) * Q6K_PADDED + (size_t)(e / QK_K) * Q6K_PADDED;
@@ -39,6 +41,7 @@ dequant_rows_q6k(const u8* __restrict__ W, const int* __restrict__ tok, float* _
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_q8_0(const u8* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                   int n) {
+    GRID_DEPENDENCY();
     const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     const u8* blk = W + (size_t)tok[t] * (n / 32) * Q8_0_BYTES + (size_t)(e / 32) * Q8_0_BYTES;
@@ -49,6 +52,7 @@ dequant_rows_q8_0(const u8* __restrict__ W, const int* __restrict__ tok, float* 
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_f16(const u16* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                  int n) {
+    GRID_DEPENDENCY();
     const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     y[(size_t)t * n + e] = f16_to_f32(W[(size_t)tok[t] * n + e]);
@@ -58,6 +62,7 @@ dequant_rows_f16(const u16* __restrict__ W, const int* __restrict__ tok, float* 
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_rows_f32(const float* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y,
                  int n) {
+    GRID_DEPENDENCY();
     const int t = blockIdx.y, e = blockIdx.x * THREADS_1D + threadIdx.x;
     if (e >= n) return;
     y[(size_t)t * n + e] = W[(size_t)tok[t] * n + e];

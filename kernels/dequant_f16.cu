@@ -43,6 +43,7 @@ __device__ __forceinline__ void store8_f16(u16* dst, const float v[8]) {
 // w: (n_out, n_in/256*144) u8, y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) {
+    GRID_DEPENDENCY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_grp) return;
     const long long b = i >> 4;
@@ -90,6 +91,7 @@ dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) 
 // y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_q6k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) {
+    GRID_DEPENDENCY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_grp) return;
     const long long b = i >> 4;
@@ -130,6 +132,7 @@ dequant_q6k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) 
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 dequant_q6k_exp_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
                     u16* __restrict__ y, long long n_grp) {
+    GRID_DEPENDENCY();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_grp) return;
     const long long b = i >> 4;
@@ -158,6 +161,7 @@ dequant_q6k_exp_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
 // Activations before the GEMM, and K/V into the f16 cache (y offset by pos0 rows).
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 cast_f32_f16(const float4* __restrict__ x, uint2* __restrict__ y, long long n4) {
+    GRID_DEPENDENCY();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
         const float4 v = x[i];
@@ -179,6 +183,7 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
 extern "C" __global__ void
 swiglu_f16(const uint2* __restrict__ gate, const uint2* __restrict__ up,
            uint2* __restrict__ y, long long n4) {
+    GRID_DEPENDENCY();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
         const uint2 g = gate[i], u = up[i];

@@ -6,6 +6,7 @@
 extern "C" __global__ void
 swiglu_f32(const float* __restrict__ gate, const float* __restrict__ up,
            float* __restrict__ y, long long n) {
+    GRID_DEPENDENCY();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const float g = gate[i];
@@ -16,6 +17,7 @@ swiglu_f32(const float* __restrict__ gate, const float* __restrict__ up,
 // a, b (n,) -> y (n,) = a + b (residual add; y may alias a)
 extern "C" __global__ void
 add_f32(const float* a, const float* b, float* y, long long n) {
+    GRID_DEPENDENCY();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         y[i] = a[i] + b[i];

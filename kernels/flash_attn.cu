@@ -123,6 +123,7 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS, 2)
 flash_attn_f16(const u16* __restrict__ q, const u16* __restrict__ k_cache,
                const u16* __restrict__ v_cache, float* __restrict__ o,
                int T, int n_head, int n_kv, int pos0, float scale_log2) {
+    GRID_DEPENDENCY();
     extern __shared__ __align__(16) u16 fa_smem[];
     u16* const Qs = fa_smem;                          // (FA_BQ rows, FA_LD)
     u16* const KVs = fa_smem + FA_BQ * FA_LD;         // stage s: K at 2s, V at 2s+1

@@ -253,6 +253,7 @@ matvec(const i8* __restrict__ xq, const float* __restrict__ xd, const float* __r
        const u8* __restrict__ W0, const float* __restrict__ bias0, const float* res0, float* y0, int od0,
        const u8* __restrict__ W1, const float* __restrict__ bias1, const float* res1, float* y1, int od1,
        const u8* __restrict__ W2, const float* __restrict__ bias2, const float* res2, float* y2, int od2) {
+    GRID_DEPENDENCY();
     __shared__ float s_part[MV_WARPS][R];
     const int per_block = MV_WARPS * R / split;
     const int nb0 = (od0 + per_block - 1) / per_block, nb1 = (od1 + per_block - 1) / per_block;

@@ -85,6 +85,7 @@ mmq_q4k(const i8* __restrict__ xq,      // (T, K) q8_1 values
         const float* __restrict__ bias, // (od,) or nullptr
         float* __restrict__ y,          // (T, od)
         int T, int od, int K) {
+    GRID_DEPENDENCY();
     typedef Tile<KDR> TL;
     __shared__ __align__(16) i8 sA[MMQ_NST][MMQ_BM * TL::SROW];
     __shared__ __align__(16) i8 sB[MMQ_NST][MMQ_BN * TL::SROW];
@@ -203,6 +204,7 @@ mmq_q6k_bt(const i8* __restrict__ xq,      // (T, K) q8_1 values
            const float* __restrict__ bias, // (od,) or nullptr
            float* __restrict__ y,          // (T, od)
            int T, int od, int K) {
+    GRID_DEPENDENCY();
     typedef Tile<KDR> TL;
     __shared__ __align__(16) i8 sA[MMQ_NST][MMQ_BM * TL::SROW];
     __shared__ __align__(16) i8 sB[MMQ_NST][MMQ_BN * TL::SROW];

@@ -80,6 +80,7 @@ __device__ __forceinline__ void normed_row(const float* __restrict__ xr, const f
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
             float* __restrict__ y, int d, float eps) {
+    GRID_DEPENDENCY();
     const size_t row = blockIdx.x;
     float* yr = y + row * (size_t)d;
     normed_row(x + row * (size_t)d, w, d, eps, [yr](int i, float v) { yr[i] = v; });
@@ -91,6 +92,7 @@ rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_q8_1(const float* __restrict__ x, const float* __restrict__ w, i8* __restrict__ q,
              float* __restrict__ qd, float* __restrict__ qs, int d, float eps) {
+    GRID_DEPENDENCY();
     const size_t row = blockIdx.x;
     const float* xr = x + row * (size_t)d;
     const int lane = threadIdx.x & 31, nb = d / QK8_1;
@@ -121,6 +123,7 @@ rmsnorm_q8_1(const float* __restrict__ x, const float* __restrict__ w, i8* __res
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_f16(const float* __restrict__ x, const float* __restrict__ w,
             u16* __restrict__ y, int d, float eps) {
+    GRID_DEPENDENCY();
     const size_t row = blockIdx.x;
     u16* yr = y + row * (size_t)d;
     normed_row(x + row * (size_t)d, w, d, eps, [yr](int i, float v) { yr[i] = (u16)f16_bits_rn(v); });

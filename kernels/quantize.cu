@@ -10,6 +10,7 @@
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 quantize_q8_1(const float* __restrict__ x, i8* __restrict__ q, float* __restrict__ d,
               float* __restrict__ s, long long n_blocks) {
+    GRID_DEPENDENCY();
     const long long b = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (b >= n_blocks) return;                       // whole warps exit together
     const int lane = threadIdx.x % 32;
@@ -22,6 +23,7 @@ quantize_q8_1(const float* __restrict__ x, i8* __restrict__ q, float* __restrict
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 swiglu_q8_1(const float* __restrict__ gate, const float* __restrict__ up, i8* __restrict__ q,
             float* __restrict__ d, float* __restrict__ s, long long n_blocks) {
+    GRID_DEPENDENCY();
     const long long b = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (b >= n_blocks) return;
     const int lane = threadIdx.x % 32;

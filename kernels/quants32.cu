@@ -13,6 +13,7 @@ __device__ __forceinline__ u32 f16_bits(float f) {
 template <int QT>
 __global__ void __launch_bounds__(THREADS_1D)
 dequant32_f16(const u8* __restrict__ W, u16* __restrict__ y, long long n_grp) {
+    GRID_DEPENDENCY();
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= n_grp) return;
     const Group r = decode<QT>(W, g);
@@ -31,6 +32,7 @@ dequant32_f16(const u8* __restrict__ W, u16* __restrict__ y, long long n_grp) {
 template <int QT>
 __global__ void __launch_bounds__(THREADS_1D)
 dequant32_rows(const u8* __restrict__ W, const int* __restrict__ tok, float* __restrict__ y, int n) {
+    GRID_DEPENDENCY();
     const int t = blockIdx.y, gi = blockIdx.x * THREADS_1D + threadIdx.x;
     if (gi >= n / 32) return;
     const Group r = decode<QT>(W, (long long)tok[t] * (n / 32) + gi);

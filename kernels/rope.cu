@@ -13,6 +13,7 @@
 extern "C" __global__ void
 rope_f32(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ cos_sin,
          int T, int n_heads, int hd, int pos0, const int* __restrict__ pos_dev, int neox) {
+    GRID_DEPENDENCY();
     const int half = hd / 2;
     const long long n_pairs = (long long)T * n_heads * half;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;

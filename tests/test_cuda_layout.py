@@ -1,14 +1,20 @@
 """The CUDA backend's host-side decisions, without a GPU: the settings read from the
 environment, the GEMM path table, the W_exp plane inventory of the 7B header
 (the sum of od x id over its tensor table, checked against the allocated planes),
-and the f16 GEMMs' preload grid and operand alignment (cublas.py)."""
+the f16 GEMMs' preload grid and operand alignment (cublas.py), and what the
+dependent launches rely on: every kernel waits first, and the driver structs'
+layout (dependent.py)."""
 from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from minfer.backend.cuda import cublas
+from minfer.backend.cuda import cublas, dependent
 from minfer.backend.cuda.gemm import gemm_path
 from minfer.backend.cuda.settings import F16_GEMM_MIN_T, CudaSettings
 from minfer.backend.cuda.weights import GpuWeight, expected_plane_bytes, is_plane_tensor, plane_check
@@ -22,9 +28,11 @@ def test_settings_from_env():
     assert CudaSettings.from_env({}) == CudaSettings()
     s = CudaSettings.from_env({"MINFER_MMQ_Q6K_EXP": "0", "MINFER_FFN_F16": "0",
                                "MINFER_CUDA_GRAPHS": "0", "MINFER_MMQ_RAW_NB_DEBUG": "1",
-                               "MINFER_TEST_FORCE_EXP_MISS": "1", "MINFER_F16_WEIGHTS": "1"})
-    assert (s.exp_planes, s.ffn_f16, s.graphs, s.report_counts, s.force_exp_miss, s.f16_weights) == \
-        (False, False, False, True, True, True)
+                               "MINFER_TEST_FORCE_EXP_MISS": "1", "MINFER_F16_WEIGHTS": "1",
+                               "MINFER_PDL": "0"})
+    assert (s.exp_planes, s.ffn_f16, s.graphs, s.report_counts, s.force_exp_miss, s.f16_weights,
+            s.dependent_launches) == (False, False, False, True, True, True, False)
+    assert CudaSettings().dependent_launches
     assert not CudaSettings().f16_weights
     assert not s.use_planes and CudaSettings().use_planes
     assert not CudaSettings().replace(exp_enabled=False).use_planes
@@ -126,3 +134,49 @@ def test_gemm_preload_grid_and_alignment():
     assert cublas._alignment(0x10000, 0x20000) == 256
     assert cublas._alignment(0x10000, 0x10080) == 128
     assert cublas._alignment(0x10000 + 48, 0x20000) == 16
+
+
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+
+
+def test_every_kernel_waits_for_its_predecessor_first():
+    """A kernel launched as a programmatic dependent (dependent.py) runs alongside
+    its predecessor until GRID_DEPENDENCY(): in every kernel definition of
+    kernels/*.cu it comes first, after nothing but L2 prefetches of weights (calls
+    of *_prefetch_l2 functions, which read and write no memory)."""
+    found = 0
+    for path in sorted(KERNELS.glob("*.cu")):
+        src = path.read_text()
+        for m in re.finditer(r"__global__", src):
+            line = src[src.rfind("\n", 0, m.start()) + 1:m.start()]
+            if line.strip().startswith("template"):          # an explicit instantiation
+                continue
+            body = src[src.index("{", m.end()) + 1:]
+            before = re.sub(r"//[^\n]*", "", body[:body.index("GRID_DEPENDENCY();")])
+            stmts = [t.strip() for t in before.split(";") if t.strip()]
+            assert all(re.fullmatch(r"\w*prefetch_l2\s*(<[^>]*>)?\s*\(.*\)", t, re.S) for t in stmts), \
+                f"{path.name}: a kernel does {stmts} before GRID_DEPENDENCY()"
+            assert body.index("GRID_DEPENDENCY();") < body.index("}"), f"{path.name}: no wait in a kernel"
+            found += 1
+    assert found >= 30
+
+
+def test_driver_struct_layout():
+    """CUlaunchAttribute and CUlaunchConfig as cuda.h lays them out (x86-64)."""
+    A, C = dependent._LaunchAttribute, dependent._LaunchConfig
+    assert ctypes.sizeof(A) == 72 and A.value.offset == 8
+    assert ctypes.sizeof(C) == 56 and C.hStream.offset == 32 and C.attrs.offset == 40 \
+        and C.numAttrs.offset == 48
+
+
+def test_dependent_argument_packing():
+    """Arguments packed as CuPy packs them: a NumPy scalar's bytes, Python ints as
+    int64 and floats as float64 (no cupy array here: that is a pointer)."""
+    raw = lambda h: bytes(memoryview(h).cast("B"))                     # noqa: E731
+    assert raw(dependent._arg(np.int32(-3), None)) == np.int32(-3).tobytes()
+    assert raw(dependent._arg(np.float32(0.5), None)) == np.float32(0.5).tobytes()
+    assert raw(dependent._arg(np.uint64(0), None)) == bytes(8)
+    assert dependent._arg(7, None).value == 7 and isinstance(dependent._arg(7, None), ctypes.c_int64)
+    assert isinstance(dependent._arg(1.5, None), ctypes.c_double)
+    with pytest.raises(TypeError):
+        dependent._arg("x", None)

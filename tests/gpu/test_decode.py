@@ -152,6 +152,48 @@ def test_captured_decode_equals_eager_and_counts(engine):
     assert key[1] == be.settings
 
 
+def test_dependent_launches_in_the_decode_graph(engine, cp):
+    """The step graph with its kernels launched as programmatic dependents (the
+    default) gives the same ids and logits as with ordinary launches, and every
+    replay counts its dependent launches (one per kernel of ours in the step)."""
+    be = engine.backend
+    prompt = np.random.default_rng(5).integers(0, engine.cfg.vocab_size, 17).astype(np.int32)
+    ids, counts = {}, {}
+    for on in (False, True):
+        with be.using(dependent_launches=on):
+            cache = engine.new_cache()
+            be.reset_counters()
+            ids[on] = _greedy_ids(engine, prompt, 12, cache)
+            counts[on] = be.counters()
+            (key,) = [k for k in cache.graphs if k[0] == ("decode",)]
+            per_step = cache.graphs[key].counts["dependent launches"]
+    assert ids[True] == ids[False]
+    assert counts[False]["dependent launches"] == 0
+    # 11 steps: eager, capture + replay, 9 replays, and one queued ahead of the last
+    assert per_step >= 5 * engine.cfg.n_layer
+    assert counts[True]["dependent launches"] == counts[True]["graph replays"] * per_step
+    # the logits of one token's forward captured and replayed (the decode kernels:
+    # matvecs, one-query attention, the q8_1 norms): the same bits both ways
+    m, w, cfg = engine.model, engine.model.w, engine.cfg
+    logits = {}
+    for on in (False, True):
+        cache = engine.new_cache()
+        m.forward(prompt, 0, cache)
+
+        def step(tokens, cache=cache):
+            x = be.embed(w.token_embd, tokens)                                # (1, d)
+            x = m.blocks(x, len(prompt), cache)
+            out, = be.norm_linears(x, w.output_norm, cfg.rms_eps, (w.output,), (None,))
+            return out
+
+        graphs, tok = {}, cp.asarray(prompt[:1])
+        with be.using(dependent_launches=on):
+            for _ in range(3):                                    # eager, capture, replay
+                logits[on] = cp.asnumpy(be.graphs.run(graphs, "step", step, tok))
+        assert (graphs["step"].counts["dependent launches"] > 0) == on
+    assert np.array_equal(logits[True].view(np.uint32), logits[False].view(np.uint32))
+
+
 def _forced_ids(engine, prompt, forced: dict, n: int, cache) -> list[int]:
     """Greedy steps, except that at step i the token forced[i] is fed instead of the
     model's (teacher forcing): the ids the model returns at each step."""

@@ -25,9 +25,11 @@ def _tokens(T: int, seed: int, vocab: int) -> np.ndarray:
 
 
 def _counts(be) -> dict:
-    """The backend's launch counters without the graph-replay count."""
+    """The backend's launch counters without the graph-replay and dependent-launch
+    counts (which only a replay adds)."""
     c = be.counters()
     c.pop("graph replays")
+    c.pop("dependent launches")
     return c
 
 
@@ -58,7 +60,8 @@ def test_replay_equals_eager_and_counts(engine, T, gemm):
             replays.append(be.counters()["graph replays"])
             got_counts.append(_counts(be))
     (rec,) = [g for k, g in cache.graphs.items() if k[0] == ("blocks", T, 0)]
-    layers = rec.counts                                           # one replay's launches
+    layers = dict(rec.counts)                                     # one replay's launches
+    assert layers.pop("dependent launches") >= 7 * engine.cfg.n_layer   # our kernels, dependent
     assert sum(layers.values()) >= 7 * engine.cfg.n_layer and all(
         layers[k] <= want_counts[k] for k in layers)
     assert got_counts[0] == want_counts and got_counts[2] == want_counts
@@ -97,3 +100,23 @@ def test_replay_survives_scratch_growth(engine):
     assert be.gemm.scratch()[1].size > x16_before.size, "x16 scratch did not grow"
     got = engine.model.forward(short, 0, cache, logits_from=0)    # replay of the short graph
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("T", [7, 333])
+def test_dependent_launches_same_bits(engine, T):
+    """A graph whose kernels launch as programmatic dependents (the default) and one
+    whose kernels launch the ordinary way give the same bits; only the first counts
+    dependent launches, on every replay."""
+    be = engine.backend
+    toks = _tokens(T, 11 + T, engine.cfg.vocab_size)
+    got = {}
+    for on in (False, True):
+        with be.using(dependent_launches=on):
+            cache = engine.new_cache()
+            for _ in range(3):                                    # eager, capture, replay
+                be.reset_counters()
+                got[on] = engine.model.forward(toks, 0, cache, logits_from=0)
+            assert be.counters()["graph replays"] == 1
+            n = be.counters()["dependent launches"]
+            assert (n >= 7 * engine.cfg.n_layer) if on else n == 0
+    assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))

@@ -113,7 +113,7 @@ def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
 def _flash_kernel(device_id: int):
     """The flash kernel, opted in (once per device) to its > 48 KB of dynamic shared memory."""
     fn = kernel("flash_attn.cu", "flash_attn_f16")
-    fn.max_dynamic_shared_size_bytes = K["FA_SMEM"]
+    fn.fn.max_dynamic_shared_size_bytes = K["FA_SMEM"]
     return fn
 
 

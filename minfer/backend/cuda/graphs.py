@@ -8,13 +8,15 @@ the next replay of the same key). A capture bakes in every launch decision, so
 the caller puts its settings into the key. Launch counters add, per replay, the
 counts the capture recorded. The warm run and the capture take the GEMM
 heuristic's first-choice kernels (cublas.best_kernels): a replayed graph pays
-their loading once.
+their loading once. The capture launches our kernels as programmatic dependents
+of the launch before them (dependent.py) unless the settings turn that off.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
 
+from . import dependent
 from .cublas import best_kernels
 from .launch import cp, is_oom
 
@@ -37,10 +39,11 @@ class Graph:
 
 class GraphRunner:
     """Capture and replay for one backend. `counters` is the backend's
-    gemm.Counters; `keep_alive()` returns the buffers a new graph must hold on to."""
+    gemm.Counters; `keep_alive()` returns the buffers a new graph must hold on to;
+    `dependent()` says whether captures launch dependently now."""
 
-    def __init__(self, counters, keep_alive):
-        self.counters, self.keep_alive = counters, keep_alive
+    def __init__(self, counters, keep_alive, dependent=lambda: False):
+        self.counters, self.keep_alive, self.dependent = counters, keep_alive, dependent
         self.failed = False          # a capture failed: eager from then on
         self.replays = 0
 
@@ -87,13 +90,16 @@ class GraphRunner:
                 fn(inp)
                 stream.synchronize()
                 before = dict(self.counters.counts)
+                launched = dependent.STATE.launched
                 stream.begin_capture(_RELAXED)
                 try:
-                    out = fn(inp)
+                    with dependent.dependent_launches(self.dependent()):
+                        out = fn(inp)
                 finally:
                     graph = stream.end_capture()
         after = self.counters.counts
         counts = {k: after[k] - before[k] for k in after}
+        counts["dependent launches"] = dependent.STATE.launched - launched
         self.counters.counts = before        # the capture ran nothing (the warm run did: counted)
         # the scratch buffers the captured kernels read and write stay alive with the
         # graph, so a later growth (new buffers) cannot free them under it

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import MinferError
-from . import nvrtc
+from . import dependent, nvrtc
 
 try:
     import cupy as cp
@@ -117,11 +117,27 @@ def or_null(a):
     return NULL if a is None else a
 
 
+class Kernel:
+    """A compiled kernel of kernels/*.cu. Calling it launches on the current stream:
+    as a programmatic dependent of the launch before it while dependent launches
+    are on (inside a graph capture, dependent.py), the ordinary way otherwise."""
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn                     # the cupy kernel
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        if dependent.STATE.on:
+            dependent.launch(self.fn, grid, block, args, shared_mem, cp)
+        else:
+            self.fn(grid, block, args, shared_mem=shared_mem)
+
+
 @functools.lru_cache(maxsize=None)
-def kernel(filename: str, name: str, instances: tuple[str, ...] = ()):
+def kernel(filename: str, name: str, instances: tuple[str, ...] = ()) -> Kernel:
     """The compiled kernel `name` of kernels/<filename> (compiled once per process;
     `instances` lists the template instantiations the file exports)."""
-    return nvrtc.module(filename, instances).get_function(name)
+    return Kernel(nvrtc.module(filename, instances).get_function(name))
 
 
 def blocks_1d(n: int, per_block: int = THREADS_1D) -> int:

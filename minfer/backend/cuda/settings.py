@@ -12,6 +12,8 @@ graph's cache key.
                                   engine reads, made at load (2 bytes a weight: ~13 GB on
                                   the 7B), so a prefill GEMM dequantizes nothing
     MINFER_CUDA_GRAPHS=0          never capture the decoder layers (every prefill eager)
+    MINFER_PDL=0                  launch a captured graph's kernels the ordinary way, each
+                                  after its predecessor has finished (dependent.py)
     MINFER_MMQ_RAW_NB_DEBUG=1     print the launch-path counters at exit
     MINFER_TEST_FORCE_EXP_MISS=1  tests only: every W_exp registration fails
 """
@@ -36,6 +38,7 @@ class CudaSettings:
     ffn_f16: bool = True           # fused f16 FFN (MINFER_FFN_F16)
     f16_weights: bool = False      # f16 copies of the f16 engine's weights, made at load (MINFER_F16_WEIGHTS)
     graphs: bool = True            # CUDA graphs of the decoder layers (MINFER_CUDA_GRAPHS)
+    dependent_launches: bool = True  # programmatic dependent launches in captured graphs (MINFER_PDL)
     report_counts: bool = False    # launch-path counters printed at exit (MINFER_MMQ_RAW_NB_DEBUG)
     force_exp_miss: bool = False   # simulate a failed plane registration (MINFER_TEST_FORCE_EXP_MISS)
 
@@ -45,6 +48,7 @@ class CudaSettings:
                    ffn_f16=env.get("MINFER_FFN_F16", "1") != "0",
                    f16_weights=env.get("MINFER_F16_WEIGHTS") == "1",
                    graphs=env.get("MINFER_CUDA_GRAPHS", "1") != "0",
+                   dependent_launches=env.get("MINFER_PDL", "1") != "0",
                    report_counts=env.get("MINFER_MMQ_RAW_NB_DEBUG") == "1",
                    force_exp_miss=env.get("MINFER_TEST_FORCE_EXP_MISS") == "1")
 
