@@ -32,6 +32,22 @@ typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 
+// [p, p + bytes) pulled into L2, one bulk request issued by the block's thread 0.
+// The one thing a kernel may do before its GRID_DEPENDENCY() (and only on memory no
+// kernel of the step writes: weights): launched dependently, the block is resident
+// while its predecessor finishes, and the copy from DRAM overlaps that. A prefetch
+// changes no value anywhere. Outside a dependent launch it only starts the loads early.
+__device__ __forceinline__ void block_prefetch_l2(const void* p, unsigned long long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0 && threadIdx.y == 0 && bytes) {
+        const unsigned long long a = (unsigned long long)p & ~15ull;
+        const unsigned long long e = ((unsigned long long)p + bytes + 15) & ~15ull;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"((unsigned)(e - a))
+                     : "memory");
+    }
+#endif
+}
+
 // ---- block layouts (ggml-common.h): byte offsets inside a block ------------
 // block_q4_K (Q4K_BYTES): d (f16) | dmin (f16) | scales[12] | qs[128]
 #define Q4K_QS 16                // byte offset of qs in the block

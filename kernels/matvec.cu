@@ -239,6 +239,33 @@ __device__ __forceinline__ void rows_out(const u8* __restrict__ W, const float* 
     }
 }
 
+// The grid holds the blocks of up to three weights, in order: this block's weight
+// (seg) and its block index inside that weight's blocks (blk); per_block rows a block.
+struct MvBlock { int seg, blk; };
+__device__ __forceinline__ MvBlock mv_block(int per_block, int od0, int od1) {
+    const int nb0 = (od0 + per_block - 1) / per_block, nb1 = (od1 + per_block - 1) / per_block;
+    const int b = blockIdx.x;
+    if (b >= nb0 + nb1) return {2, b - nb0 - nb1};
+    if (b >= nb0) return {1, b - nb0};
+    return {0, b};
+}
+
+// The first MV_PREFETCH bytes of the block's weight rows into L2 before it waits for
+// x (its predecessor's output): from the kernel's arguments alone, reading nothing.
+// Measured (docs/PERF.md 6.19): 0.5-4 KB a block gain alike; the whole rows lose
+// (the first wave's ~25 MB of prefetches compete with the loads that need them).
+template <int QA, int QB, int R>
+__device__ __forceinline__ void matvec_prefetch_l2(int K, int split, int qb_mask, const u8* W0, int od0,
+                                                   const u8* W1, int od1, const u8* W2, int od2) {
+    const int per_block = MV_WARPS * R / split;
+    const MvBlock b = mv_block(per_block, od0, od1);
+    const u8* W = b.seg == 0 ? W0 : b.seg == 1 ? W1 : W2;
+    const int od = b.seg == 0 ? od0 : b.seg == 1 ? od1 : od2;
+    const size_t rb = ((qb_mask >> b.seg) & 1) ? row_bytes<QB>(K) : row_bytes<QA>(K);
+    const int r0 = b.blk * per_block, r1 = min(r0 + per_block, od);
+    if (r0 < r1) block_prefetch_l2(W + (size_t)r0 * rb, min((size_t)(r1 - r0) * rb, (size_t)MV_PREFETCH));
+}
+
 // q8_1 x (K,) -> y_s = W_s @ x [+ bias_s] [+ res_s] for s = 0..2 (od_s = 0: unused);
 // weight s is of type QB where bit s of qb_mask is set, else QA (a q6_K attn_v
 // beside q4_K q and k: one launch).
@@ -253,14 +280,14 @@ matvec(const i8* __restrict__ xq, const float* __restrict__ xd, const float* __r
        const u8* __restrict__ W0, const float* __restrict__ bias0, const float* res0, float* y0, int od0,
        const u8* __restrict__ W1, const float* __restrict__ bias1, const float* res1, float* y1, int od1,
        const u8* __restrict__ W2, const float* __restrict__ bias2, const float* res2, float* y2, int od2) {
+    matvec_prefetch_l2<QA, QB, R>(K, split, qb_mask, W0, od0, W1, od1, W2, od2);
     GRID_DEPENDENCY();
     __shared__ float s_part[MV_WARPS][R];
-    const int per_block = MV_WARPS * R / split;
-    const int nb0 = (od0 + per_block - 1) / per_block, nb1 = (od1 + per_block - 1) / per_block;
-    int blk = blockIdx.x, seg = 0;
+    const MvBlock b = mv_block(MV_WARPS * R / split, od0, od1);
+    const int seg = b.seg, blk = b.blk;
     const u8* W = W0; const float* bias = bias0; const float* res = res0; float* y = y0; int od = od0;
-    if (blk >= nb0 + nb1) { blk -= nb0 + nb1; seg = 2; W = W2; bias = bias2; res = res2; y = y2; od = od2; }
-    else if (blk >= nb0) { blk -= nb0; seg = 1; W = W1; bias = bias1; res = res1; y = y1; od = od1; }
+    if (seg == 2) { W = W2; bias = bias2; res = res2; y = y2; od = od2; }
+    else if (seg == 1) { W = W1; bias = bias1; res = res1; y = y1; od = od1; }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = (blk * (MV_WARPS / split) + warp / split) * R;
     if (row0 >= od) return;                    // split > 1: the whole block

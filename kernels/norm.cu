@@ -92,6 +92,7 @@ rmsnorm_f32(const float* __restrict__ x, const float* __restrict__ w,
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 rmsnorm_q8_1(const float* __restrict__ x, const float* __restrict__ w, i8* __restrict__ q,
              float* __restrict__ qd, float* __restrict__ qs, int d, float eps) {
+    block_prefetch_l2(w, (unsigned long long)d * sizeof(float));   // the norm weight (cold)
     GRID_DEPENDENCY();
     const size_t row = blockIdx.x;
     const float* xr = x + row * (size_t)d;

@@ -39,6 +39,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MV_RPW": 4,
     "MV_WARPS": 4,
     "MV_MIN_BLOCKS": 6,
+    # bytes of its weight rows a decode matvec block pulls into L2 before it waits for
+    # its predecessor (a dependent launch: the copy overlaps the predecessor's tail)
+    "MV_PREFETCH": 2048,
     # rmsnorm (norm.cu): one block per row; a decode step's norms are one row, whose
     # time is the latency of the per-thread loops: 1024 threads make them short
     "NORM_THREADS": 1024,
