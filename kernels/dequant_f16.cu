@@ -176,17 +176,20 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
     return f;
 }
 
-// gate, up (n,) f16 -> y (n,) f16 = silu(gate) * up, computed in f32 as
-// swiglu_f32 (elementwise.cu) and rounded once: the f16 FFN (gemm.py, Gemms.ffn_f16)
-// keeps its (T, d_ff) intermediates in f16, the precision the down GEMM reads.
-// 4 elements per thread (8-byte loads and stores), n % 4 == 0.
+// gate, up (rows, cols) f16 -> y (rows, cols) f16 packed = silu(gate) * up, computed
+// in f32 as swiglu_f32 (elementwise.cu) and rounded once: the f16 FFN (gemm.py,
+// Gemms.ffn_f16) keeps its (T, d_ff) intermediates in f16, the precision the down
+// GEMM reads. gate's and up's rows are ld4 quads apart (the column blocks of one
+// GEMM's output over the concatenated gate/up weights: ld4 = 2 cols4; packed:
+// ld4 = cols4). 4 elements per thread (8-byte loads and stores), cols % 4 == 0.
 extern "C" __global__ void
 swiglu_f16(const uint2* __restrict__ gate, const uint2* __restrict__ up,
-           uint2* __restrict__ y, long long n4) {
+           uint2* __restrict__ y, long long cols4, long long ld4, long long n4) {
     GRID_DEPENDENCY();
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
-        const uint2 g = gate[i], u = up[i];
+        const long long at = ld4 == cols4 ? i : i / cols4 * ld4 + i % cols4;
+        const uint2 g = gate[at], u = up[at];
         float r[4];
         const u32 gw[2] = {g.x, g.y}, uw[2] = {u.x, u.y};
 #pragma unroll

@@ -7,6 +7,7 @@
                            and q to f16 == the bias adds, then those, then cast_f16(q);
                            q/k/v as column blocks of one matrix == packed q/k/v
     q/k/v as one f16 GEMM over the weights side by side == three GEMMs
+    gate/up as one f16 GEMM, SwiGLU over its column blocks == two GEMMs, packed SwiGLU
     rmsnorm (f16 out)   == cast_f16(rmsnorm(x))
     decode attention with the q8_1 output == quantize_q8_1(decode attention)
     f16 GEMM accumulating into the residual ~= residual + GEMM (cuBLAS may take
@@ -326,3 +327,60 @@ def test_qkv_as_one_gemm_equals_three_gemms(cp, cuda_linears):
         assert g.shape == a.shape and _same(cp.asnumpy(g), cp.asnumpy(a))
     assert not gemm.groups(T, ws, (None, cp.zeros(128, cp.float32), None))      # a bias: separate
     assert not gemm.groups(1, ws, (None,) * 3)                                   # a decode row: matvecs
+
+
+def _silu_mul_f16(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u in f32, rounded once to f16 (swiglu_f16's arithmetic in NumPy)."""
+    g32, u32 = g.astype(np.float32), u.astype(np.float32)
+    return (g32 / (np.float32(1) + np.exp(-g32)) * u32).astype(np.float16)
+
+
+@pytest.mark.parametrize("T,n", [(1, 4), (5, 36), (37, 1000)])
+def test_swiglu_f16_packed_and_over_column_blocks(cp, T, n):
+    """swiglu_f16 against NumPy (within one f16 step: expf and np.exp may differ in the
+    last f32 bit), and over the column blocks of one (T, 2n) matrix (the grouped
+    gate/up GEMM's output) bit for bit as over packed copies."""
+    from minfer.backend.cuda import f16
+    rng = np.random.default_rng(T * 7 + n)
+    gu = (rng.standard_normal((T, 2 * n)) * 3).astype(np.float16)
+    both = cp.asarray(gu)
+    g, u = both[:, :n], both[:, n:]
+    assert T == 1 or not g.flags.c_contiguous                       # (one row: packed either way)
+    packed = f16.swiglu_f16(cp.ascontiguousarray(g), cp.ascontiguousarray(u),
+                            out=cp.full((T, n), cp.nan, cp.float16))
+    strided = f16.swiglu_f16(g, u, out=cp.full((T, n), cp.nan, cp.float16))
+    assert _same(cp.asnumpy(strided), cp.asnumpy(packed))
+    want = _silu_mul_f16(gu[:, :n], gu[:, n:])
+    got = cp.asnumpy(packed)
+    step = np.abs(np.spacing(want.astype(np.float16))).astype(np.float32)
+    assert np.all(np.abs(got.astype(np.float32) - want.astype(np.float32)) <= step)
+    assert np.mean(got == want) > 0.99
+    if T > 1:
+        with pytest.raises(ValueError):
+            f16.swiglu_f16(g, cp.ascontiguousarray(u))              # rows of two strides
+
+
+def test_gate_up_as_one_gemm_equals_two_gemms(cp, cuda_linears):
+    """The f16 FFN with gate and up dequantized side by side and one GEMM (f16 out),
+    SwiGLU over its column blocks: the bits of two GEMMs and a packed SwiGLU, the
+    same launch counts, and the grouped path really taken (the scratch holds both)."""
+    from minfer.backend.cuda import f16
+    T, d, d_ff = 29, 512, 768
+    st, gemm = cuda_linears()
+    ws = []
+    for name, qt, n_out, n_in in (("blk.0.ffn_gate.weight", QT.Q4_K, d_ff, d),
+                                  ("blk.0.ffn_up.weight", QT.Q4_K, d_ff, d),
+                                  ("blk.0.ffn_down.weight", QT.Q6_K, d, d_ff)):
+        ws.append(st.register(name, _info(name, qt, n_out, n_in), _weights(qt, n_out, n_in, seed=len(ws) + 9)))
+    gate, up, down = ws
+    xh = cp.asarray(_acts(T, d, seed=4)).astype(cp.float16)
+    assert gemm.groups(T, (gate, up), (None, None))
+    gemm.counters.reset()
+    grouped = cp.asnumpy(gemm.ffn_f16(xh.copy(), gate, up, down))
+    counts = dict(gemm.counters.counts)
+    assert gemm._w16().size >= 2 * d_ff * d
+    gemm.counters.reset()
+    g, u = (gemm._f16_gemm(xh, w, out=cp.empty((T, d_ff), cp.float16)) for w in (gate, up))
+    alone = cp.asnumpy(gemm._f16_gemm(f16.swiglu_f16(g, u), down))
+    assert counts == gemm.counters.counts and counts["q4k_f16"] == 2 and counts["q6k exp"] == 1
+    assert _same(grouped, alone)

@@ -22,7 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from ...errors import MinferError
 from .cublas import gemm_f16
 from .int8 import Q32_TYPES, q32_kernel, q32_row_bytes
-from .launch import blocks_1d, check, cp, kernel, launch_grid_stride, scratch_view
+from .launch import blocks_1d, check, check_rows, cp, kernel, launch_grid_stride, scratch_view
 from .nvrtc import K
 
 QK_K = K["QK_K"]
@@ -99,13 +99,23 @@ def cast_f16(x, out=None):
 
 
 def swiglu_f16(gate, up, out=None):
-    """gate, up f16 (same shape, size % 4 == 0) -> silu(gate) * up, f16 (f32 math)."""
-    check(gate, "swiglu_f16 gate", cp.float16, align16=True)
-    check(up, "swiglu_f16 up", cp.float16, gate.shape, align16=True)
-    n4 = _by4(gate, "swiglu_f16")
+    """gate, up f16 (T, n), n % 4 == 0 -> silu(gate) * up, f16 (T, n) packed (f32 math).
+    gate and up may be column blocks of one matrix (rows of the same stride, e.g. the
+    grouped gate/up GEMM's output)."""
+    if gate.ndim != 2 or gate.shape[1] % 4:
+        raise ValueError(f"swiglu_f16: gate has shape {gate.shape}, expected (T, n), n % 4 == 0")
+    ld = check_rows(gate, "swiglu_f16 gate", cp.float16, gate.shape)
+    if check_rows(up, "swiglu_f16 up", cp.float16, gate.shape) != ld or ld % 4:
+        raise ValueError(f"swiglu_f16: rows {gate.strides} / {up.strides} apart, expected one stride, "
+                         f"a multiple of 4 elements")
+    for a, what in ((gate, "gate"), (up, "up")):
+        if a.data.ptr % 8:
+            raise ValueError(f"swiglu_f16 {what}: device pointer {a.data.ptr:#x} is not 8-byte aligned")
     y = check(scratch_view(out, gate.shape, "swiglu_f16 out", cp.float16), "swiglu_f16 out",
               cp.float16, align16=True)
-    launch_grid_stride("dequant_f16.cu", "swiglu_f16", n4, (gate, up, y))
+    cols4 = gate.shape[1] // 4
+    launch_grid_stride("dequant_f16.cu", "swiglu_f16", gate.shape[0] * cols4,
+                       (gate, up, y, np.int64(cols4), np.int64(ld // 4)))
     return y
 
 

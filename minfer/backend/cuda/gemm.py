@@ -203,18 +203,18 @@ class Gemms:
         return (len(ws) > 1 and all(b is None for b in biases)
                 and all(self.path(T, w).engine == "f16" and self.store.f16_of(w) is None for w in ws))
 
-    def _f16_group(self, xh, ws) -> list:
+    def _f16_group(self, xh, ws, dtype=None) -> list:
         """xh f16 (T, n_in) @ [W_1; W_2; ...]^T as one GEMM: each weight dequantized into
-        its rows of the scratch, one (T, sum n_out) f32 output -> its column blocks,
-        views with that row stride. Each output element is the same dot product as
-        alone (the GEMM's kernels sum over K in one order; tests/gpu/test_fused.py)."""
+        its rows of the scratch, one (T, sum n_out) output of dtype (f32, the default,
+        or f16) -> its column blocks, views with that row stride. Each output element
+        is the same dot product as alone (the GEMM's kernels sum over K in one order; tests/gpu/test_fused.py)."""
         T, n_in = xh.shape
         w16, at = self._w16(sum(w.n_out * n_in for w in ws)), 0
         for w in ws:
             self._weight16(T, w, into=w16[at:at + w.n_out * n_in])
             at += w.n_out * n_in
         n_all = sum(w.n_out for w in ws)
-        y = f16.gemm_w16(xh, w16[:at].reshape(n_all, n_in))                         # (T, n_all)
+        y = f16.gemm_w16(xh, w16[:at].reshape(n_all, n_in), out=cp.empty((T, n_all), dtype or cp.float32))
         cols = [0]
         for w in ws:
             cols.append(cols[-1] + w.n_out)
@@ -288,13 +288,17 @@ class Gemms:
 
     def ffn_f16(self, h, gate: GpuWeight, up: GpuWeight, down: GpuWeight, residual=None):
         """h (T, d) f32, or f16 already rounded -> down(silu(gate h) * up h) f32 (T, d)
-        with the (T, d_ff) intermediates in f16: gate/up write f16, swiglu reads and
-        writes f16, the down GEMM reads it (no f32 round trip). With a residual, the
-        down GEMM accumulates into it (consumed) and returns it."""
+        with the (T, d_ff) intermediates in f16: gate/up write f16 (one GEMM over both
+        weights where they group, else one each), swiglu reads and writes f16, the
+        down GEMM reads it (no f32 round trip). With a residual, the down GEMM
+        accumulates into it (consumed) and returns it."""
         T, d_ff = h.shape[0], gate.n_out
         xh = h if h.dtype == cp.float16 else f16.cast_f16(h, self._x16(h.shape))   # (T, d)
-        gu = [self._f16_gemm(xh, w, out=cp.empty((T, d_ff), cp.float16))           # (T, d_ff)
-              for w in (gate, up)]
+        if self.groups(T, (gate, up), (None, None)):
+            gu = self._f16_group(xh, (gate, up), cp.float16)                        # 2 x (T, d_ff) views
+        else:
+            gu = [self._f16_gemm(xh, w, out=cp.empty((T, d_ff), cp.float16))       # (T, d_ff)
+                  for w in (gate, up)]
         f = f16.swiglu_f16(*gu, out=self._x16((T, d_ff)))                          # (T, d_ff)
         if self._accumulates(residual, None, None, (T, down.n_out)):
             return self._f16_gemm(f, down, out=residual, accumulate=True)
