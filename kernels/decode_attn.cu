@@ -186,18 +186,35 @@ attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restri
         const int jn = j + 2 * DEC_WARPS;
         uint2 kn[2], vn[2];
         if (jn < j1) load_pair(jn, kn, vn);
+        // the scores of both keys for every head first, their warp sums side by side
+        // (each sum in the same butterfly order as alone): 2 x DEC_MAX_G independent
+        // shuffle chains in flight instead of one after another; heads past G have
+        // q = 0 and are never used. Then the online softmax, key by key, head by head.
+        float s[2][DEC_MAX_G];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const float k4[4] = {f16_lo(kw[u].x), f16_hi(kw[u].x), f16_lo(kw[u].y), f16_hi(kw[u].y)};
+#pragma unroll
+            for (int g = 0; g < DEC_MAX_G; ++g)
+                s[u][g] = qr[g][0] * k4[0] + qr[g][1] * k4[1] + qr[g][2] * k4[2] + qr[g][3] * k4[3];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+#pragma unroll
+                for (int g = 0; g < DEC_MAX_G; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+            }
+        }
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
             if (u == 1 && !two) break;
-            const float k4[4] = {f16_lo(kw[u].x), f16_hi(kw[u].x), f16_lo(kw[u].y), f16_hi(kw[u].y)};
             const float v4[4] = {f16_lo(vw[u].x), f16_hi(vw[u].x), f16_lo(vw[u].y), f16_hi(vw[u].y)};
 #pragma unroll
             for (int g = 0; g < DEC_MAX_G; ++g) {
                 if (g >= G) break;
-                float s = qr[g][0] * k4[0] + qr[g][1] * k4[1] + qr[g][2] * k4[2] + qr[g][3] * k4[3];
-                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                const float mn = fmaxf(m[g], s);
-                const float c = exp2f(m[g] - mn), p = exp2f(s - mn);
+                const float mn = fmaxf(m[g], s[u][g]);
+                const float c = exp2f(m[g] - mn), p = exp2f(s[u][g] - mn);
                 l[g] = l[g] * c + p;
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[g][i] = acc[g][i] * c + p * v4[i];
