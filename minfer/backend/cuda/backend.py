@@ -97,8 +97,10 @@ class CUDABackend(Backend):
         self._settings = settings or CudaSettings.from_env()
         self.store = WeightStore(self._settings)
         self.gemm = Gemms(self.store, self._settings)
+        # programmatic dependent launches exist from compute capability 9.0 (Hopper) on
+        hopper = int(cp.cuda.Device().compute_capability) >= 90
         self.graphs = GraphRunner(self.gemm.counters, self._graph_keep_alive,
-                                  lambda: self._settings.dependent_launches)
+                                  lambda: hopper and self._settings.dependent_launches)
         self.decoder = DecodeRunner(self.graphs, lambda: self._settings.graphs and not self.graphs.failed)
         self._cos_sin = None                 # (n_pos, hd/2, 2) f32 on the device
 

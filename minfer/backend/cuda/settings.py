@@ -13,7 +13,8 @@ graph's cache key.
                                   the 7B), so a prefill GEMM dequantizes nothing
     MINFER_CUDA_GRAPHS=0          never capture the decoder layers (every prefill eager)
     MINFER_PDL=0                  launch a captured graph's kernels the ordinary way, each
-                                  after its predecessor has finished (dependent.py)
+                                  after its predecessor has finished (dependent.py; GPUs
+                                  before compute capability 9.0 always do)
     MINFER_MMQ_RAW_NB_DEBUG=1     print the launch-path counters at exit
     MINFER_TEST_FORCE_EXP_MISS=1  tests only: every W_exp registration fails
 """
