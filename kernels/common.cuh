@@ -18,8 +18,9 @@
 // captured graphs, minfer/backend/cuda/dependent.py) is scheduled while its
 // predecessor still runs; here it waits until the predecessor has finished and
 // its writes are visible, and then lets its own dependent be scheduled. Nothing
-// runs before the wait, so each kernel sees memory exactly as in plain stream
-// order. Launched the ordinary way, both instructions return at once.
+// but L2 prefetches of weights (block_prefetch_l2) runs before the wait, so each
+// kernel sees memory exactly as in plain stream order (tests/test_cuda_layout.py
+// reads every kernel for this). Launched the ordinary way, both return at once.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define GRID_DEPENDENCY() \
     asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")

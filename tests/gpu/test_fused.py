@@ -371,7 +371,8 @@ def test_gate_up_as_one_gemm_equals_two_gemms(cp, cuda_linears):
     for name, qt, n_out, n_in in (("blk.0.ffn_gate.weight", QT.Q4_K, d_ff, d),
                                   ("blk.0.ffn_up.weight", QT.Q4_K, d_ff, d),
                                   ("blk.0.ffn_down.weight", QT.Q6_K, d, d_ff)):
-        ws.append(st.register(name, _info(name, qt, n_out, n_in), _weights(qt, n_out, n_in, seed=len(ws) + 9)))
+        ws.append(st.register(name, _info(name, qt, n_out, n_in),
+                              _weights(qt, n_out, n_in, seed=len(ws) + 9)))
     gate, up, down = ws
     xh = cp.asarray(_acts(T, d, seed=4)).astype(cp.float16)
     assert gemm.groups(T, (gate, up), (None, None))

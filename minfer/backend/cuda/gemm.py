@@ -207,14 +207,16 @@ class Gemms:
         """xh f16 (T, n_in) @ [W_1; W_2; ...]^T as one GEMM: each weight dequantized into
         its rows of the scratch, one (T, sum n_out) output of dtype (f32, the default,
         or f16) -> its column blocks, views with that row stride. Each output element
-        is the same dot product as alone (the GEMM's kernels sum over K in one order; tests/gpu/test_fused.py)."""
+        is the same dot product as alone (the GEMM's kernels sum over K in one order;
+        tests/gpu/test_fused.py)."""
         T, n_in = xh.shape
         w16, at = self._w16(sum(w.n_out * n_in for w in ws)), 0
         for w in ws:
             self._weight16(T, w, into=w16[at:at + w.n_out * n_in])
             at += w.n_out * n_in
         n_all = sum(w.n_out for w in ws)
-        y = f16.gemm_w16(xh, w16[:at].reshape(n_all, n_in), out=cp.empty((T, n_all), dtype or cp.float32))
+        y = f16.gemm_w16(xh, w16[:at].reshape(n_all, n_in),
+                         out=cp.empty((T, n_all), dtype or cp.float32))              # (T, n_all)
         cols = [0]
         for w in ws:
             cols.append(cols[-1] + w.n_out)
