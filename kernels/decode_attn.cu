@@ -125,33 +125,29 @@ __device__ __forceinline__ float4 rope_lane(float4 x, const float* __restrict__ 
     return make_float4(y[0], y[1], y[2], y[3]);
 }
 
-// q (n_head, 128) f32; kc, vc (n_ctx, n_kv, 128) f16 of one layer, keys 0..p stored;
-// part (n_head, n_split, DEC_PART) f32. scale_log2 = log2(e)/sqrt(128): scores in
-// the log2 domain (exp2f). grid = (n_kv, n_split), n_split * DEC_CHUNK >= n_ctx,
-// block = DEC_THREADS; a block whose keys start past p writes nothing (the combine
-// reads only the splits that hold keys). Warp w takes keys j0+w, j0+w+DEC_WARPS, ...
-// two at a time, the next pair's rows loaded while this pair is added in; lane l
-// holds dims 4l..4l+3.
-// With cos_sin (n_pos, 64, 2) given, q and k_new come un-rotated: every block
-// rotates its query heads, and the block that holds key p rotates k_new and stores
+// One split: keys j0..j1-1 of KV head kvh for its G query heads, walked by the
+// DEC_WARPS warps of one sub-block (warp, lane: the thread's place in it; every
+// thread of the block calls this, a sub-block without keys with j0 >= j1, because
+// it holds the block's barriers). q (n_head, 128) f32; kc, vc (n_ctx, n_kv, 128) f16
+// of one layer, keys 0..p stored. scale_log2 = log2(e)/sqrt(128): scores in the
+// log2 domain (exp2f). Warp w takes keys j0+w, j0+w+DEC_WARPS, ... two at a time,
+// the next pair's rows loaded while this pair is added in; lane l holds dims
+// 4l..4l+3. The warps meet in s_ml, s_acc (the sub-block's own), and head g's
+// partial (max, sum, accumulator: DEC_PART floats) goes to out + g * gstride.
+// With cos_sin (n_pos, 64, 2) given, q and k_new come un-rotated: every sub-block
+// rotates its query heads, and the one that holds key p rotates k_new and stores
 // it and v_new (1, n_kv, 128) f32 into row p before reading it (rope_store_kv_f16's
-// values, one launch fewer); only that block ever reads row p.
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
-attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc,
-                float* __restrict__ part, int n_head, int n_kv, int n_split, int pos0,
-                const int* __restrict__ pos_dev, float scale_log2, const float* __restrict__ k_new,
-                const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox) {
-    GRID_DEPENDENCY();
-    __shared__ float s_ml[DEC_WARPS][DEC_MAX_G][2];
-    __shared__ float s_acc[DEC_WARPS][DEC_MAX_G][FA_HD];
-    const int kvh = blockIdx.x, split = blockIdx.y, G = n_head / n_kv;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d0 = 4 * lane;
-    const int p = pos_dev ? *pos_dev : pos0, n_keys = p + 1;
-    const int j0 = split * DEC_CHUNK, j1 = min(n_keys, j0 + DEC_CHUNK);
-    if (j0 >= n_keys) return;                               // whole block: no key here
+// values, one launch fewer); only that sub-block ever reads row p.
+__device__ __forceinline__ void split_partial(
+        const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc, int G, int n_kv,
+        int kvh, int p, int j0, int j1, float scale_log2, const float* __restrict__ k_new,
+        const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox, int warp,
+        int lane, float (*s_ml)[DEC_MAX_G][2], float (*s_acc)[DEC_MAX_G][FA_HD], float* out,
+        size_t gstride) {
+    const int d0 = 4 * lane, n_keys = p + 1;
     const float* cs = cos_sin ? cos_sin + (size_t)p * FA_HD : nullptr;   // (64, 2) at p
 
-    if (cs && j1 == n_keys && warp == 0) {                  // this block holds key p
+    if (cs && j0 < j1 && j1 == n_keys && warp == 0) {       // this sub-block holds key p
         const size_t src = (size_t)kvh * FA_HD + d0, dst = ((size_t)p * n_kv + kvh) * FA_HD + d0;
         const float4 kr = rope_lane(*(const float4*)(k_new + src), cs, lane, neox);
         const float4 vv = *(const float4*)(v_new + src);
@@ -233,8 +229,9 @@ attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restri
         for (int i = 0; i < 4; ++i) s_acc[warp][g][d0 + i] = acc[g][i];
     }
     __syncthreads();
-    // merge the warps: thread t owns dim t of every head (DEC_THREADS == FA_HD)
-    const int d = threadIdx.x;
+    if (j0 >= j1) return;                                   // no keys: no partial
+    // merge the warps: thread d of the sub-block owns dim d of every head
+    const int d = warp * 32 + lane;
     for (int g = 0; g < G; ++g) {
         float M = DEC_NEG_INF;
         for (int w = 0; w < DEC_WARPS; ++w) M = fmaxf(M, s_ml[w][g][0]);
@@ -245,9 +242,88 @@ attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restri
             L += s_ml[w][g][1] * c;
             A += s_acc[w][g][d] * c;
         }
-        float* out = part + ((size_t)(kvh * G + g) * n_split + split) * DEC_PART;
-        if (d == 0) { out[0] = M; out[1] = L; }
-        out[2 + d] = A;
+        float* o = out + g * gstride;
+        if (d == 0) { o[0] = M; o[1] = L; }
+        o[2 + d] = A;
+    }
+}
+
+// The splits' partials merged, one step: split s (in split order, from L = A = 0)
+// with c = exp2(m_s - M), M the largest max. Both merges (attn_decode_combine and
+// attn_decode_short) add through this, so their sums are the same expressions.
+__device__ __forceinline__ void merge_split(float& L, float& A, float l_s, float a_s, float c) {
+    L += l_s * c;
+    A += a_s * c;
+}
+
+// head h's merged value y of dim d -> o (f32) and/or the q8_1 form oq, od, os (a
+// warp per block of 32: all 32 lanes of the warp call this)
+__device__ __forceinline__ void store_head(float y, int h, int d, float* __restrict__ o, i8* __restrict__ oq,
+                                           float* __restrict__ od, float* __restrict__ os) {
+    if (o) o[(size_t)h * FA_HD + d] = y;
+    if (oq) {
+        const size_t g = (size_t)h * (FA_HD / QK8_1) + d / QK8_1;
+        q8_1_block(y, d % QK8_1, oq + g * QK8_1, od + g, os + g);
+    }
+}
+
+// The split kernel: part (n_head, n_split, DEC_PART) f32. grid = (n_kv, n_split),
+// n_split * DEC_CHUNK >= n_ctx, block = DEC_THREADS; a block whose keys start past
+// p writes nothing (the combine reads only the splits that hold keys).
+extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc,
+                float* __restrict__ part, int n_head, int n_kv, int n_split, int pos0,
+                const int* __restrict__ pos_dev, float scale_log2, const float* __restrict__ k_new,
+                const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox) {
+    GRID_DEPENDENCY();
+    __shared__ float s_ml[DEC_WARPS][DEC_MAX_G][2];
+    __shared__ float s_acc[DEC_WARPS][DEC_MAX_G][FA_HD];
+    const int kvh = blockIdx.x, split = blockIdx.y, G = n_head / n_kv;
+    const int p = pos_dev ? *pos_dev : pos0;
+    const int j0 = split * DEC_CHUNK, j1 = min(p + 1, j0 + DEC_CHUNK);
+    if (j0 >= j1) return;                                   // whole block: no key here
+    split_partial(q, kc, vc, G, n_kv, kvh, p, j0, j1, scale_log2, k_new, v_new, cos_sin, neox,
+                  threadIdx.x / 32, threadIdx.x % 32, s_ml, s_acc,
+                  part + ((size_t)kvh * G * n_split + split) * DEC_PART, (size_t)n_split * DEC_PART);
+}
+
+// Keys 0..p with p < DEC_SHORT_SPLITS * DEC_CHUNK in one launch: a block per KV head,
+// whose DEC_SHORT_SPLITS sub-blocks of DEC_THREADS each do what attn_decode_f16's
+// blocks of the splits 0, 1, ... do, into shared memory, and then merge the splits
+// as attn_decode_combine does (merge_split, store_head): the same bits, without the
+// combine's launch. Sub-block b merges heads b, b + DEC_SHORT_SPLITS, ...
+// Outputs as attn_decode_combine's. grid = n_kv, block = DEC_SHORT_SPLITS *
+// DEC_THREADS, dynamic shared memory DEC_SHORT_SMEM bytes.
+extern "C" __global__ void __launch_bounds__(DEC_SHORT_SPLITS * DEC_THREADS)
+attn_decode_short(const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc,
+                  float* __restrict__ o, i8* __restrict__ oq, float* __restrict__ od,
+                  float* __restrict__ os, int n_head, int n_kv, int pos0, const int* __restrict__ pos_dev,
+                  float scale_log2, const float* __restrict__ k_new, const float* __restrict__ v_new,
+                  const float* __restrict__ cos_sin, int neox) {
+    GRID_DEPENDENCY();
+    extern __shared__ float4 s_dyn[];
+    typedef float Acc[DEC_MAX_G][FA_HD];
+    typedef float Ml[DEC_MAX_G][2];
+    typedef float Part[DEC_MAX_G][DEC_PART];
+    Acc* s_acc = (Acc*)s_dyn;                                           // [splits * warps]
+    Ml* s_ml = (Ml*)(s_acc + DEC_SHORT_SPLITS * DEC_WARPS);             // [splits * warps]
+    Part* s_part = (Part*)(s_ml + DEC_SHORT_SPLITS * DEC_WARPS);        // [splits]
+    const int kvh = blockIdx.x, G = n_head / n_kv;
+    const int sub = threadIdx.x / DEC_THREADS, d = threadIdx.x % DEC_THREADS;
+    const int p = pos_dev ? *pos_dev : pos0;
+    const int j0 = sub * DEC_CHUNK, j1 = min(p + 1, j0 + DEC_CHUNK);
+    split_partial(q, kc, vc, G, n_kv, kvh, p, j0, j1, scale_log2, k_new, v_new, cos_sin, neox,
+                  d / 32, d % 32, s_ml + sub * DEC_WARPS, s_acc + sub * DEC_WARPS,
+                  &s_part[sub][0][0], DEC_PART);
+    __syncthreads();
+    const int used = min(DEC_SHORT_SPLITS, (p + DEC_CHUNK) / DEC_CHUNK);
+    for (int g = sub; g < G; g += DEC_SHORT_SPLITS) {
+        float M = DEC_NEG_INF;
+        for (int s = 0; s < used; ++s) M = fmaxf(M, s_part[s][g][0]);
+        float L = 0.f, A = 0.f;
+        for (int s = 0; s < used; ++s) merge_split(L, A, s_part[s][g][1], s_part[s][g][2 + d],
+                                                   exp2f(s_part[s][g][0] - M));
+        store_head(A / L, kvh * G + g, d, o, oq, od, os);
     }
 }
 
@@ -295,17 +371,10 @@ attn_decode_combine(const float* __restrict__ part, float* __restrict__ o, i8* _
 #pragma unroll
             for (int u = 0; u < DEC_AHEAD; ++u) {
                 if (s0 + u >= n) break;
-                const float c = s_c[s0 + u];
-                L += s_l[s0 + u] * c;
-                A += a[u] * c;
+                merge_split(L, A, s_l[s0 + u], a[u], s_c[s0 + u]);
             }
         }
         __syncthreads();                                    // before the next chunk's loads
     }
-    const float y = A / L;
-    if (o) o[(size_t)blockIdx.x * FA_HD + d] = y;
-    if (oq) {
-        const size_t g = (size_t)blockIdx.x * (FA_HD / QK8_1) + d / QK8_1;
-        q8_1_block(y, d % QK8_1, oq + g * QK8_1, od + g, os + g);
-    }
+    store_head(A / L, blockIdx.x, d, o, oq, od, os);
 }

@@ -57,6 +57,50 @@ def test_decode_attention_vs_reference(cp, n_head, n_kv, pos, on_device):
     assert np.abs(got - want).max() <= 1e-4 * np.abs(vc[:pos + 1]).max(), np.abs(got - want).max()
 
 
+@pytest.mark.parametrize("n_head,n_kv", [(28, 4), (12, 2), (16, 2), (8, 8)])
+@pytest.mark.parametrize("pos", [0, 1, 63, 64, 130, 255])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "rope_store_q8"])
+def test_decode_attention_one_launch_equals_two(cp, n_head, n_kv, pos, fused):
+    """Below DEC_SHORT_KEYS the decode attention runs in one launch (its splits as
+    sub-blocks, merged in shared memory): the bits of the two-launch path (the
+    splits' blocks, then the combine), for f32 output and for the q8_1 output with
+    RoPE and the KV store inside, at group sizes 7, 6, 8 and 1 and positions at
+    the first, last and past the first split's keys; the cache bytes alike."""
+    from minfer.backend.cuda import attention, ops
+    assert attention.decode_short(pos) and not attention.decode_short(attention.DEC_SHORT_KEYS)
+    rng = np.random.default_rng([n_head, n_kv, pos, fused])
+    n_ctx = 300
+    kc0, vc0 = (rng.standard_normal((n_ctx, n_kv, 128)).astype(np.float16) for _ in range(2))
+    kc0[pos + 1:] = vc0[pos + 1:] = np.nan                        # never read
+    q = cp.asarray((rng.standard_normal((1, n_head, 128)) * 2).astype(np.float32))
+    k, v = (cp.asarray(rng.standard_normal((1, n_kv, 128)).astype(np.float32)) for _ in range(2))
+    table = cp.asarray(ops.rope_table(n_ctx, 128, 1e6))
+    got = {}
+    for short in (False, True):
+        kc, vc = cp.asarray(kc0), cp.asarray(vc0)
+        p = _dev_pos(cp, pos)
+        if fused:
+            q8 = (cp.full((1, n_head * 128), 77, cp.int8), cp.full((1, n_head * 4), np.nan, cp.float32),
+                  cp.full((1, n_head * 4), np.nan, cp.float32))
+            attention.decode_attention(q, kc, vc, p, new_kv=(k, v), cos_sin=table, q8=q8, short=short)
+            outs = tuple(cp.asnumpy(a) for a in q8)
+        else:
+            out = cp.full((1, n_head * 128), np.nan, cp.float32)
+            attention.decode_attention(q, kc, vc, p, out, short=short)
+            outs = (cp.asnumpy(out),)
+        got[short] = outs + (cp.asnumpy(kc).view(np.uint16), cp.asnumpy(vc).view(np.uint16))
+    assert np.isfinite(got[True][0 if not fused else 1]).all()
+    for a, b in zip(got[False], got[True]):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_decode_attention_one_launch_only_below_its_limit(cp):
+    from minfer.backend.cuda.attention import DEC_SHORT_KEYS, decode_attention
+    kc = cp.zeros((DEC_SHORT_KEYS + 1, 1, 128), cp.float16)
+    with pytest.raises(ValueError, match="one-launch"):
+        decode_attention(cp.zeros((1, 2, 128), cp.float32), kc, kc, DEC_SHORT_KEYS, short=True)
+
+
 def test_decode_attention_rejects_large_groups(cp):
     from minfer.backend.cuda.attention import decode_attention
     from minfer.errors import MinferError
@@ -148,8 +192,8 @@ def test_captured_decode_equals_eager_and_counts(engine):
     assert c["graph replays"] == 23
     n_layer = engine.cfg.n_layer
     assert c["q4k_mv"] + c["q6k_mv"] >= 23 * 7 * n_layer   # every step's matvecs are counted
-    (key,) = [k for k in cache.graphs if k[0] == ("decode",)]
-    assert key[1] == be.settings
+    (key,) = [k for k in cache.graphs if k[0][0] == "decode"]
+    assert key == (("decode", True), be.settings)        # positions 21..44: the one-launch attention
 
 
 def test_dependent_launches_in_the_decode_graph(engine, cp):
@@ -165,7 +209,7 @@ def test_dependent_launches_in_the_decode_graph(engine, cp):
             be.reset_counters()
             ids[on] = _greedy_ids(engine, prompt, 12, cache)
             counts[on] = be.counters()
-            (key,) = [k for k in cache.graphs if k[0] == ("decode",)]
+            (key,) = [k for k in cache.graphs if k[0][0] == "decode"]
             per_step = cache.graphs[key].counts["dependent launches"]
     assert ids[True] == ids[False]
     assert counts[False]["dependent launches"] == 0

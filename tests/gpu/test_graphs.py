@@ -120,3 +120,36 @@ def test_dependent_launches_same_bits(engine, T):
             n = be.counters()["dependent launches"]
             assert (n >= 7 * engine.cfg.n_layer) if on else n == 0
     assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
+
+
+def test_decode_graphs_either_side_of_the_one_launch_limit(engine):
+    """A decode step's graph key says whether its attention is the one-launch kind
+    (attention.decode_short); greedy steps across the limit (positions 250..269 of a
+    700-position cache) give the ids of eager steps, one graph each side, each
+    replayed, and no step queued ahead across the limit."""
+    from minfer.backend.cuda.attention import DEC_SHORT_KEYS
+    from minfer.backend.cuda.graphs import Graph
+    assert DEC_SHORT_KEYS == 256
+    be, m = engine.backend, engine.model
+    prompt = _tokens(250, 21, engine.cfg.vocab_size)
+
+    def greedy(cache):
+        tok, pos, out = int(np.argmax(m.forward(prompt, 0, cache)[-1])), len(prompt), []
+        for _ in range(20):
+            tok = m.decode_greedy(tok, pos, cache)
+            out.append(tok)
+            pos += 1
+        return out
+
+    with be.using(graphs=False):
+        eager = greedy(engine.new_cache())
+    cache = engine.new_cache()
+    be.reset_counters()
+    assert greedy(cache) == eager
+    keys = {k[0]: g for k, g in cache.graphs.items() if k[0][0] == "decode"}
+    assert set(keys) == {("decode", True), ("decode", False)}
+    assert all(isinstance(g, Graph) for g in keys.values())
+    # positions 250..255: eager, capture + replay, then 2, 1, 1 replays (a step and the
+    # one queued ahead; none queued across the limit at 255); 256..269: eager,
+    # capture + replay, 2, then 11 x 1 (the last queues position 270)
+    assert be.counters()["graph replays"] == (1 + 2 + 1 + 1) + (1 + 2 + 11)

@@ -6,7 +6,8 @@
     decode_attention kernels/decode_attn.cu one query row over the f16 cache, split over the
                                             keys in chunks (flash-decoding), position from
                                             device memory; optionally RoPE and the store of
-                                            the new row in the same launch
+                                            the new row in the same launch; one launch in all
+                                            below DEC_SHORT_KEYS positions
     rope_store_kv_f16 kernels/decode_attn.cu RoPE on q and k and the f16 store of k, v: one launch
     attention_f16    store_kv_f16, then attend_f16
     attend_f16       flash_attention (T > 1) or decode_attention (T == 1) over a filled cache
@@ -31,6 +32,9 @@ from .nvrtc import K
 
 FA_HD = K["FA_HD"]
 DEC_MAX_G = K["DEC_MAX_G"]                  # query heads per KV head that decode_attention takes
+DEC_SHORT_KEYS = K["DEC_SHORT_SPLITS"] * K["DEC_CHUNK"]   # below this position: one launch (decode_short)
+# attn_decode_short's shared memory: per split, its warps' (m, l, accumulators) and its partial
+_DEC_SHORT_SMEM = 4 * K["DEC_SHORT_SPLITS"] * DEC_MAX_G * (K["DEC_WARPS"] + 1) * (FA_HD + 2)
 _SCALE_LOG2 = math.log2(math.e) / math.sqrt(FA_HD)   # scores in the log2 domain (exp2f)
 F32_HEAD_DIMS = (64, 128)                   # the instantiations of attention.cu
 _F32_INSTANCES = tuple(f"attention_f32<{hd}>" for hd in F32_HEAD_DIMS)
@@ -117,8 +121,25 @@ def _flash_kernel(device_id: int):
     return fn
 
 
+def decode_short(pos: int) -> bool:
+    """Does a decode step at pos attend in one launch (attn_decode_short: its keys'
+    splits are sub-blocks of one block per KV head, merged in shared memory) instead
+    of two (the splits' blocks, then attn_decode_combine)? Below DEC_SHORT_KEYS
+    positions; the same bits either way. A captured decode step replays at other
+    positions, so its graph key holds this answer (backend.decode)."""
+    return pos < DEC_SHORT_KEYS
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_short_kernel(device_id: int):
+    """attn_decode_short, opted in (once per device) to its > 48 KB of dynamic shared memory."""
+    fn = kernel("decode_attn.cu", "attn_decode_short")
+    fn.fn.max_dynamic_shared_size_bytes = _DEC_SHORT_SMEM
+    return fn
+
+
 def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=None, neox: bool = True,
-                     q8=None):
+                     q8=None, short: bool | None = None):
     """One query row: q (1, n_head, 128) f32; k_cache, v_cache (n_ctx, n_kv, 128) f16
     holding positions 0..pos (an int or a launch.DevicePos) -> out (1, n_head*128) f32.
     With new_kv = (k, v) (1, n_kv, 128) f32 and the RoPE table cos_sin: q and k come
@@ -126,7 +147,8 @@ def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=No
     (the values of rope_store_kv_f16 then decode_attention, in one launch fewer).
     With q8 = (q int8 (1, n), d, s f32 (1, n/32)), n = n_head*128: the output goes
     there as q8_1 instead (quantize_q8_1's bits: the o projection's operand, one
-    launch fewer) and q8 is returned."""
+    launch fewer) and q8 is returned. short: one launch or two (default:
+    decode_short(pos); True needs pos < DEC_SHORT_KEYS)."""
     check(q, "decode_attention q", cp.float32, ndim=3, align16=True)
     if q.shape[0] != 1 or q.shape[2] != FA_HD:
         raise ValueError(f"decode_attention: q has shape {q.shape}, expected (1, n_head, {FA_HD})")
@@ -158,6 +180,16 @@ def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=No
     else:
         out = out_array(out, (1, n), "decode_attention out", align16=True)
         outs = (out, NULL, NULL, NULL)
+    short = decode_short(pos_value(pos)) if short is None else short
+    if short:
+        if not decode_short(pos_value(pos)):
+            raise ValueError(f"decode_attention: position {pos_value(pos)} is past the one-launch "
+                             f"path's {DEC_SHORT_KEYS} keys")
+        _decode_short_kernel(cp.cuda.Device().id)(
+            (n_kv,), (K["DEC_SHORT_SPLITS"] * 32 * K["DEC_WARPS"],),
+            (q, k_cache, v_cache, *outs, np.int32(n_head), np.int32(n_kv), *pos_args(pos),
+             np.float32(_SCALE_LOG2), *rope_args), shared_mem=_DEC_SHORT_SMEM)
+        return out if q8 is None else q8
     n_split = blocks_1d(n_ctx, K["DEC_CHUNK"])                          # the whole cache
     part = cp.empty((n_head, n_split, FA_HD + 2), cp.float32)           # (n_head, splits, 130)
     kernel("decode_attn.cu", "attn_decode_f16")(

@@ -305,7 +305,10 @@ class CUDABackend(Backend):
             out = step(cp.asarray(np.array([token], dtype=np.int32)), pos)
             nxt, finite = (int(v) for v in out.get())
             return nxt, bool(finite)
-        return self.decoder.decode(cache, step, token, pos, (("decode",), self._settings))
+        # a step's graph replays at the positions of its key: those on the same side of
+        # the decode attention's one-launch limit (attention.decode_short)
+        return self.decoder.decode(cache, step, token, pos,
+                                   lambda p: (("decode", attention.decode_short(p)), self._settings))
 
     def _graph_keep_alive(self) -> tuple:
         return (self.gemm.scratch(), self._cos_sin)

@@ -16,7 +16,9 @@ any other call (teacher forcing, a new prompt) queues a fresh step from the
 given token and position. The step queued ahead has then written the KV row of
 its position, which every later use of that row overwrites before reading it
 (a step stores its own row before attending; a prefill stores its rows first).
-No step is queued past the cache's last position.
+No step is queued past the cache's last position, nor across a change of graph
+key (the decode attention's one-launch limit, attention.decode_short): the next
+position's graph may not exist yet.
 
 A cache's first step runs eagerly, its second is captured (graphs.py); from the
 third on, steps are replays. With graphs off (or after a failed capture) every
@@ -63,16 +65,19 @@ class DecodeIO:
 
 
 class DecodeRunner:
-    """decode(cache, step, token, pos, key) for one backend; `graphs` is its
+    """decode(cache, step, token, pos, key_of) for one backend; `graphs` is its
     GraphRunner, `use_graphs()` says whether graphs are on now."""
 
     def __init__(self, graphs, use_graphs):
         self.graphs, self.use_graphs = graphs, use_graphs
 
-    def decode(self, cache, step, token: int, pos: int, key) -> tuple[int, bool]:
+    def decode(self, cache, step, token: int, pos: int, key_of) -> tuple[int, bool]:
         """step(tokens (1,), DevicePos) -> argmax's [id, finite] on the device ->
         (id, finite) of the step at (token, pos). cache: a CudaCache (its graphs,
-        ahead and io)."""
+        ahead and io); key_of(pos): the graph key of a step at pos (the steps of one
+        key replay one graph)."""
+        key = key_of(pos)
+
         def fn(feed):
             out = step(feed[0:1], DevicePos(pos, feed[1:2]))
             ops.advance_feed(out, feed)
@@ -94,7 +99,9 @@ class DecodeRunner:
             io.feed[:] = (token, pos)
             rec.inp.set(io.feed, stream=stream)
             cur = self._queue(rec, io, stream, key, token, pos)
-        cache.ahead = self._queue(rec, io, stream, key, None, pos + 1) if pos + 1 < cache.n_ctx else None
+        nxt_pos = pos + 1
+        cache.ahead = (self._queue(rec, io, stream, key, None, nxt_pos)
+                       if nxt_pos < cache.n_ctx and key_of(nxt_pos) == key else None)
         cur.done.synchronize()
         nxt, finite = int(cur.host[0]), bool(cur.host[1])
         if cache.ahead is not None:

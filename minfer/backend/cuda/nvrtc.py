@@ -64,6 +64,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "DEC_CHUNK": 64,
     "DEC_WARPS": 4,
     "DEC_MAX_G": 8,
+    # positions below DEC_SHORT_SPLITS * DEC_CHUNK attend in one launch
+    # (attn_decode_short: the splits as sub-blocks of one block per KV head)
+    "DEC_SHORT_SPLITS": 4,
     # greedy selection (argmax.cu): one block
     "ARGMAX_THREADS": 1024,
 }
