@@ -114,14 +114,16 @@ __device__ __forceinline__ void fa_load_kv(u16* tile, const u16* __restrict__ ba
 }
 
 // q: (T, n_head, 128) f16; k_cache, v_cache: (n_ctx, n_kv, 128) f16 with
-// positions 0 .. pos0+T-1 stored; o: (T, n_head*128) f32.
+// positions 0 .. pos0+T-1 stored; o: (T, n_head*128) f32, or with o16 given the
+// same values rounded to f16 there instead (cast_f32_f16's bits: the o
+// projection's GEMM operand, without the f32 round trip and the cast's launch).
 // scale_log2 = log2(e) / sqrt(128): probabilities are 2^(scale_log2 * (s - max)).
 // grid: at least n_kv * ceil(T * G / FA_BQ) blocks in all, in any shape (the
 //   linear block index picks the work item; spare blocks return at once);
 // block: FA_THREADS threads, FA_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 2)
 flash_attn_f16(const u16* __restrict__ q, const u16* __restrict__ k_cache,
-               const u16* __restrict__ v_cache, float* __restrict__ o,
+               const u16* __restrict__ v_cache, float* __restrict__ o, u16* __restrict__ o16,
                int T, int n_head, int n_kv, int pos0, float scale_log2) {
     GRID_DEPENDENCY();
     extern __shared__ __align__(16) u16 fa_smem[];
@@ -328,10 +330,18 @@ flash_attn_f16(const u16* __restrict__ q, const u16* __restrict__ k_cache,
             const int row = row0 + warp * 32 + 16 * mt + 8 * hf + g;
             if (row < n_rows) {
                 const int tok = row / G;
-                float* op = o + (long long)tok * ld_o + (kvh * G + row - tok * G) * FA_HD + 2 * t;
+                const long long at = (long long)tok * ld_o + (kvh * G + row - tok * G) * FA_HD + 2 * t;
+                if (o16) {
 #pragma unroll
-                for (int n = 0; n < 16; ++n)
-                    *(float2*)(op + 8 * n) = make_float2(acc[mt][n][2 * hf] * inv, acc[mt][n][2 * hf + 1] * inv);
+                    for (int n = 0; n < 16; ++n)
+                        *(u32*)(o16 + at + 8 * n) = f32x2_to_f16x2(acc[mt][n][2 * hf] * inv,
+                                                                   acc[mt][n][2 * hf + 1] * inv);
+                } else {
+#pragma unroll
+                    for (int n = 0; n < 16; ++n)
+                        *(float2*)(o + at + 8 * n) = make_float2(acc[mt][n][2 * hf] * inv,
+                                                                 acc[mt][n][2 * hf + 1] * inv);
+                }
             }
         }
     }

@@ -238,6 +238,41 @@ def test_rmsnorm_f16_equals_norm_then_cast(cp, T, K):
     assert _same(cp.asnumpy(got), cp.asnumpy(want))
 
 
+@pytest.mark.parametrize("T,pos0,n_head,n_kv", [(2, 0, 28, 4), (37, 5, 12, 2), (333, 0, 28, 4), (130, 70, 8, 8)])
+def test_flash_attention_f16_output_equals_f32_then_cast(cp, T, pos0, n_head, n_kv):
+    """The flash attention storing the o projection's f16 operand: cast_f16 of its f32
+    output, bit for bit, every element written (the buffer is poisoned first)."""
+    from minfer.backend.cuda import attention, f16
+    rng = np.random.default_rng([T, pos0, n_head])
+    n_ctx = pos0 + T + 3
+    q = cp.asarray(rng.standard_normal((T, n_head, 128)).astype(np.float16))
+    kc, vc = (cp.asarray(rng.standard_normal((n_ctx, n_kv, 128)).astype(np.float16)) for _ in range(2))
+    want = f16.cast_f16(attention.flash_attention(q, kc, vc, pos0))
+    got = cp.full((T, n_head * 128), np.nan, cp.float16)
+    assert attention.flash_attention(q, kc, vc, pos0, out=got) is got
+    assert _same(cp.asnumpy(got), cp.asnumpy(want))
+
+
+def test_linear_f16_equals_linear_on_the_rounded_x(cp, cuda_linears):
+    """linear_f16 on x already rounded to f16 (where the flash attention writes it):
+    linear's bits on the f32 x, with the residual accumulated and without; a weight
+    off the f16 engine (a decode row) refused."""
+    from minfer.backend.cuda import f16
+    T, d, n_out = 37, 512, 384
+    st, gemm = cuda_linears()
+    w = st.register("blk.0.attn_output.weight", _info("blk.0.attn_output.weight", QT.Q4_K, n_out, d),
+                    _weights(QT.Q4_K, n_out, d, seed=9))
+    x = cp.asarray(_acts(T, d, seed=9))
+    res = cp.asarray(_acts(T, n_out, seed=10))
+    xh = f16.cast_f16(x, gemm.f16_operand((T, d)))
+    for r in (None, res):
+        want = gemm.linear(x, w, residual=None if r is None else r.copy())
+        got = gemm.linear_f16(xh, w, residual=None if r is None else r.copy())
+        assert _same(cp.asnumpy(got), cp.asnumpy(want))
+    with pytest.raises(ValueError, match="f16-engine"):
+        gemm.linear_f16(xh[:1], w)
+
+
 @pytest.mark.parametrize("T,pos", [(6, 5), (37, 0)])
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "pairs"])
 def test_rope_store_kv_with_biases_and_f16_q_equals_the_unfused_ops(cp, T, pos, neox):

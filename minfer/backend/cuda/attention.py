@@ -93,7 +93,8 @@ def store_kv_f16(k, v, k_cache, v_cache, pos) -> None:
 
 def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
     """q16 (T, n_head, 128) f16; k_cache, v_cache (n_ctx, n_kv, 128) f16 holding
-    positions 0..pos0+T-1 -> out (T, n_head*128) f32."""
+    positions 0..pos0+T-1 -> out (T, n_head*128) f32, or f16 when out is an f16
+    array (the f32 values rounded to nearest even, as cast_f16 rounds them)."""
     check(q16, "flash_attention q16", cp.float16, ndim=3, align16=True)
     T, n_head, hd = q16.shape
     if hd != FA_HD:
@@ -104,12 +105,15 @@ def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
     check(v_cache, "flash_attention v_cache", cp.float16, k_cache.shape, align16=True)
     n_ctx, n_kv, _ = k_cache.shape
     _check_heads(n_head, n_kv, T, pos0, n_ctx, "flash_attention")
-    out = out_array(out, (T, n_head * FA_HD), "flash_attention out", align16=True)
+    half = out is not None and out.dtype == cp.float16
+    out = out_array(out, (T, n_head * FA_HD), "flash_attention out", cp.float16 if half else None,
+                    align16=True)
     if T:
         _flash_kernel(cp.cuda.Device().id)(
             (blocks_1d(T * (n_head // n_kv), K["FA_BQ"]), n_kv), (32 * K["FA_WARPS"],),
-            (q16, k_cache, v_cache, out, np.int32(T), np.int32(n_head), np.int32(n_kv),
-             np.int32(pos0), np.float32(_SCALE_LOG2)), shared_mem=K["FA_SMEM"])
+            (q16, k_cache, v_cache, NULL if half else out, out if half else NULL, np.int32(T),
+             np.int32(n_head), np.int32(n_kv), np.int32(pos0), np.float32(_SCALE_LOG2)),
+            shared_mem=K["FA_SMEM"])
     return out
 
 

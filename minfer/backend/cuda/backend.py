@@ -211,8 +211,9 @@ class CUDABackend(Backend):
         (RoPE and the KV store inside) with its combine writing the q8_1 operand of the
         o projection, which adds x in its store. A prompt whose q/k/v take the f16
         engine: the norm writes the GEMMs' f16 operand, the q/k/v biases are added in
-        the RoPE + KV-store kernel (the same f32 sums), the o projection accumulates
-        into x. Otherwise (the f32 cache, other engines) the composition."""
+        the RoPE + KV-store kernel (the same f32 sums), the flash attention writes the
+        o projection's f16 operand when o takes the f16 engine, and the o projection
+        accumulates into x. Otherwise (the f32 cache, other engines) the composition."""
         T, cfg = x.shape[0], self.cfg
         hd, n_out = cfg.head_dim, cfg.n_head * cfg.head_dim
         if cache.k.dtype == cp.float16 and T == 1 and self.gemm.all_matvec(x, (wq, wk, wv)) \
@@ -226,10 +227,12 @@ class CUDABackend(Backend):
         if not (T > 1 and cache.k.dtype == cp.float16 and self.gemm.all_f16(x, (wq, wk, wv))):
             return super().attention_block(x, norm_w, eps, wq, wk, wv, biases, wo, cache, layer, pos0)
         q, k, v = self.gemm.norm_linears(x, norm_w, eps, (wq, wk, wv), (None, None, None), views=True)
+        o_f16 = self.gemm.path(T, wo).engine == "f16" and wo.n_in == n_out
         a = self._rope_attention_f16(q.reshape(T, cfg.n_head, hd), k.reshape(T, cfg.n_head_kv, hd),
                                      v.reshape(T, cfg.n_head_kv, hd), cache, layer, pos0,
+                                     out=self.gemm.f16_operand((T, n_out)) if o_f16 else None,
                                      biases=biases)
-        return self.gemm.linear(a, wo, residual=x)
+        return self.gemm.linear_f16(a, wo, residual=x) if o_f16 else self.gemm.linear(a, wo, residual=x)
 
     def rope_attention(self, q, k, v, cache, layer: int, pos0, out=None):
         """The f16 cache (head dim 128): _rope_attention_f16. The f32 cache: rope,

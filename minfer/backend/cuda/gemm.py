@@ -168,6 +168,23 @@ class Gemms:
             raise ValueError(f"linear_q8 {w.name}: needs a matvec weight of {q8[0].shape[1]} inputs")
         return self._matvecs(q8, (w,), (bias,), (residual,))[0]
 
+    def linear_f16(self, xh, w: GpuWeight, residual=None):
+        """x already rounded to f16 (T, n_in) (a kernel wrote it into f16_operand: the
+        flash attention's store) @ W^T [+ residual (consumed)] -> f32 (T, n_out) on
+        the f16 engine: linear's values for the f32 x it was rounded from."""
+        T = xh.shape[0]
+        if self.path(T, w).engine != "f16" or xh.dtype != cp.float16 or xh.shape != (T, w.n_in):
+            raise ValueError(f"linear_f16 {w.name}: needs an f16-engine weight and an f16 (T, {w.n_in}) x")
+        if self._accumulates(residual, None, None, (T, w.n_out)):
+            return self._f16_gemm(xh, w, out=residual, accumulate=True)
+        y = self._f16_gemm(xh, w)
+        return y if residual is None else ops.add(residual, y, out=y)
+
+    def f16_operand(self, shape):
+        """Where a kernel may write an f16 GEMM operand for linear_f16: the f16
+        activation scratch as `shape` (free between the GEMMs that read it)."""
+        return self._x16(shape)
+
     def linears(self, x, ws, biases) -> list:
         """Weights that read the same x (q/k/v, gate/up) -> [f32 (T, n_out) each]. On
         the f16 engine x is rounded to f16 once for all of them; one decode row is
