@@ -36,16 +36,21 @@ __device__ __forceinline__ void store8_f16(u16* dst, const float v[8]) {
 // 16-byte stores the lanes of a warp cover 2 x 256 contiguous bytes (full sectors),
 // and the two chunks share their scale lookups' structure (below).
 
+// Each kernel takes `early`: set by the launch (f16.dequant_f16) when it is a
+// programmatic dependent of a kernel of ours, which has waited for everything before
+// it before letting this one start. Then everything that read the weight scratch
+// (the GEMM before) has completed, and this kernel, which reads only the quantized
+// weights and writes only the scratch, does its work first and waits after it,
+// before it exits: the GEMM after it (an ordinary launch) still follows everything
+// before, and the dequantization overlaps the tail of the kernel before it. Not
+// early after a library kernel (cuBLAS may release its dependents before it has
+// waited for its own predecessors): the usual wait first.
+
 // q4_K (raw ggml blocks, 144 B: d | dmin | scales[12] | qs[128]) -> f16.
 // Elements 32j..32j+31 (sub-block j) are nibble (j&1) of qs[32*(j/2) .. +31], with
 // 6-bit (sc, m) j of get_scale_min_k4. Chunk c lies in sub-block j = c/4 (0..3) and
-// chunk c+16 in sub-block j+4, 64 qs bytes further, same nibble.
-// w: (n_out, n_in/256*144) u8, y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
-extern "C" __global__ void __launch_bounds__(THREADS_1D)
-dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) {
-    GRID_DEPENDENCY();
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_grp) return;
+// chunk c+16 in sub-block j+4, 64 qs bytes further, same nibble. Thread i < n_grp.
+__device__ __forceinline__ void q4k_group_f16(const u8* __restrict__ w, u16* __restrict__ y, long long i) {
     const long long b = i >> 4;
     const int c = (int)(i & 15);
     const int j = c >> 2;                                    // 0..3; the second chunk: j + 4
@@ -80,6 +85,15 @@ dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) 
     store8_f16(dst + 128, vb);
 }
 
+// w: (n_out, n_in/256*144) u8, y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
+dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp, int early) {
+    if (!early) GRID_DEPENDENCY();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n_grp) q4k_group_f16(w, y, i);
+    if (early) GRID_DEPENDENCY();
+}
+
 // q6_K element e (0..255) of a super-block (ggml dequantize_row_q6_K):
 //   half n = e/128, c4 = (e%128)/32, l = e%32
 //   q = (ql[64n + 32*(c4&1) + l] >> 4*(c4>>1)) & 0xF | ((qh[32n + l] >> 2*c4) & 3) << 4
@@ -87,13 +101,8 @@ dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) 
 // Chunk c (elements 8c..8c+7, half 0): c4 = c/4, l = 8*(c%4) + 0..7, scale c/2.
 // Chunk c+16 (half 1): the same with ql + 64, qh + 32, scale 8 + c/2.
 
-// q6_K padded (224 B stride) -> f16.  w: (n_out, n_in/256*224) u8,
-// y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
-extern "C" __global__ void __launch_bounds__(THREADS_1D)
-dequant_q6k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) {
-    GRID_DEPENDENCY();
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_grp) return;
+// q6_K padded (224 B stride) -> f16, thread i < n_grp
+__device__ __forceinline__ void q6k_group_f16(const u8* __restrict__ w, u16* __restrict__ y, long long i) {
     const long long b = i >> 4;
     const int c = (int)(i & 15);
     const int c4 = c >> 2, l0 = 8 * (c & 3);
@@ -124,17 +133,21 @@ dequant_q6k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp) 
     store8_f16(dst + 128, vb);
 }
 
+// w: (n_out, n_in/256*224) u8, y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
+dequant_q6k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp, int early) {
+    if (!early) GRID_DEPENDENCY();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n_grp) q6k_group_f16(w, y, i);
+    if (early) GRID_DEPENDENCY();
+}
+
 // q6_K from the W_exp plane (dense centered int8 (ql|qh<<4)-32, row
 // stride n_in, super-block stride 256) with d and the scales from the padded
 // blocks -> f16. Flattened, plane element b*256 + e is super-block b's element e.
-// w: padded (n_out, n_in/256*224) u8, wexp: (n_out, n_in) i8,
-// y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
-extern "C" __global__ void __launch_bounds__(THREADS_1D)
-dequant_q6k_exp_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
-                    u16* __restrict__ y, long long n_grp) {
-    GRID_DEPENDENCY();
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_grp) return;
+// Thread i < n_grp.
+__device__ __forceinline__ void q6k_exp_group_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
+                                                  u16* __restrict__ y, long long i) {
     const long long b = i >> 4;
     const int c = (int)(i & 15);
     const u8* blk = w + b * Q6K_PADDED;
@@ -155,6 +168,17 @@ dequant_q6k_exp_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
     u16* dst = y + b * QK_K + 8 * c;
     store8_f16(dst, va);
     store8_f16(dst + 128, vb);
+}
+
+// w: padded (n_out, n_in/256*224) u8, wexp: (n_out, n_in) i8,
+// y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
+extern "C" __global__ void __launch_bounds__(THREADS_1D)
+dequant_q6k_exp_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
+                    u16* __restrict__ y, long long n_grp, int early) {
+    if (!early) GRID_DEPENDENCY();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n_grp) q6k_exp_group_f16(w, wexp, y, i);
+    if (early) GRID_DEPENDENCY();
 }
 
 // x (n,) f32 -> y (n,) f16 bits, RNE; n4 = n/4 (4 elements per thread: 16 B in, 8 B out).

@@ -143,22 +143,51 @@ def test_every_kernel_waits_for_its_predecessor_first():
     """A kernel launched as a programmatic dependent (dependent.py) runs alongside
     its predecessor until GRID_DEPENDENCY(): in every kernel definition of
     kernels/*.cu it comes first, after nothing but L2 prefetches of weights (calls
-    of *_prefetch_l2 functions, which read and write no memory)."""
-    found = 0
+    of *_prefetch_l2 functions, which read and write no memory). The one exception
+    is the form of the f16 dequantizations (dequant_f16.cu): a kernel with an
+    `int early` parameter may wait `if (!early)` first, and then waits `if (early)`
+    as its last statement (the launch sets early only where dependent.early())."""
+    found = early = 0
     for path in sorted(KERNELS.glob("*.cu")):
         src = path.read_text()
         for m in re.finditer(r"__global__", src):
             line = src[src.rfind("\n", 0, m.start()) + 1:m.start()]
             if line.strip().startswith("template"):          # an explicit instantiation
                 continue
-            body = src[src.index("{", m.end()) + 1:]
+            brace = src.index("{", m.end())
+            body = src[brace + 1:]
             before = re.sub(r"//[^\n]*", "", body[:body.index("GRID_DEPENDENCY();")])
+            if before.strip() == "if (!early)":
+                assert "int early)" in src[m.end():brace], f"{path.name}: `early` is not a parameter"
+                end = body.index("\n}")
+                assert re.sub(r"\s+", " ", body[:end]).rstrip().endswith("if (early) GRID_DEPENDENCY();"), \
+                    f"{path.name}: a kernel that may start early does not wait last"
+                early += 1
+                before = ""
             stmts = [t.strip() for t in before.split(";") if t.strip()]
             assert all(re.fullmatch(r"\w*prefetch_l2\s*(<[^>]*>)?\s*\(.*\)", t, re.S) for t in stmts), \
                 f"{path.name}: a kernel does {stmts} before GRID_DEPENDENCY()"
             assert body.index("GRID_DEPENDENCY();") < body.index("}"), f"{path.name}: no wait in a kernel"
             found += 1
-    assert found >= 30
+    assert found >= 30 and early == 3
+
+
+def test_early_start_only_right_after_a_kernel_of_ours():
+    """dependent.early(): a kernel may start before its wait only while dependent
+    launches are on and the last launch was not a library's (cuBLAS may release its
+    dependents before its own wait); a dependent launch of ours clears that."""
+    from minfer.backend.cuda import dependent
+    st = dependent.STATE
+    saved = (st.on, st.after_library)
+    try:
+        st.on, st.after_library = False, False
+        assert not dependent.early()                     # ordinary launches: never
+        st.on = True
+        assert dependent.early()
+        dependent.library_launch()
+        assert not dependent.early()
+    finally:
+        st.on, st.after_library = saved
 
 
 def test_driver_struct_layout():

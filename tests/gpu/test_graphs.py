@@ -25,11 +25,12 @@ def _tokens(T: int, seed: int, vocab: int) -> np.ndarray:
 
 
 def _counts(be) -> dict:
-    """The backend's launch counters without the graph-replay and dependent-launch
-    counts (which only a replay adds)."""
+    """The backend's launch counters without the graph-replay, dependent-launch and
+    early-dequantization counts (which only a replay adds)."""
     c = be.counters()
     c.pop("graph replays")
     c.pop("dependent launches")
+    c.pop("early dequants")
     return c
 
 
@@ -119,6 +120,10 @@ def test_dependent_launches_same_bits(engine, T):
             assert be.counters()["graph replays"] == 1
             n = be.counters()["dependent launches"]
             assert (n >= 7 * engine.cfg.n_layer) if on else n == 0
+            # the f16 engine's dequantizations (q/k/v, o, gate/up, down: each after a
+            # kernel of ours) start before their wait, only as dependents
+            e = be.counters()["early dequants"]
+            assert (e >= 4 * engine.cfg.n_layer) if on else e == 0
     assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
 
 

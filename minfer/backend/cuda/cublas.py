@@ -36,6 +36,7 @@ import ctypes
 import functools
 
 from ...errors import MinferError
+from . import dependent
 from .launch import check, cp
 
 # cuBLAS / cuBLASLt enum values (cublas_api.h, cublasLt.h, library_types.h; stable ABI)
@@ -270,6 +271,7 @@ def gemm_f16(x16, w16, out, accumulate: bool = False):
     c_type = CUDA_R_32F if out.dtype == cp.float32 else CUDA_R_16F
     algo = lt.algo(N, n, T, c_type, _alignment(x16.data.ptr, w16.data.ptr, out.data.ptr), _BEST.get())
     lt.matmul(x16, w16, out, _ONE if accumulate else _ZERO, algo, cp.cuda.get_current_stream().ptr)
+    dependent.library_launch()
     return out
 
 

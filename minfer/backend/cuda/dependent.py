@@ -14,6 +14,13 @@ those kernels are launched this way (launch.Kernel); cuBLAS's and CuPy's own
 kernels launch the ordinary way, and a kernel after one of them waits for it in
 full.
 
+One kind of kernel may do its work before its wait: the f16 dequantization of a
+weight (dequant_f16.cu's `early`), which reads only the quantized weights and
+writes only the weight scratch. Right after a kernel of ours (which waited for
+everything before it before letting this one start), every GEMM that read the
+scratch has completed; the dequantization then waits before it exits, so the GEMM
+after it still follows everything before. early() says when that holds.
+
 CuPy launches through cuLaunchKernel, which takes no launch attributes; this module
 calls the driver's cuLaunchKernelEx through ctypes and packs the arguments as
 CuPy's launcher does: a cupy array -> its device pointer, a NumPy scalar -> its
@@ -45,6 +52,24 @@ class _LaunchConfig(ctypes.Structure):           # CUlaunchConfig
 class _State:
     on = False           # launch.Kernel launches dependently while this is set
     launched = 0         # dependent launches issued in this process (graphs.py counts per capture)
+    # the last launch on the stream was a library's kernel (cuBLAS), which may release
+    # its dependents before it has waited for its own predecessors; a kernel of ours
+    # clears it. Only after one of ours may a kernel start before its wait (early()).
+    after_library = False
+    early_dequants = 0   # f16 dequantizations launched to start before their wait (f16.py)
+
+
+def library_launch() -> None:
+    """Say that a library (cuBLAS) launched a kernel on the stream."""
+    STATE.after_library = True
+
+
+def early() -> bool:
+    """May the kernel launched next start its work before it waits for its
+    predecessor (doing the wait before it exits)? Only as a dependent launch right
+    after a kernel of ours: then everything before that kernel has completed. The
+    kernel must write nothing that a kernel still running may read or write."""
+    return STATE.on and not STATE.after_library
 
 
 STATE = _State()
@@ -108,3 +133,4 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int, cp) -> N
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
     STATE.launched += 1
+    STATE.after_library = False

@@ -20,6 +20,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from ...errors import MinferError
+from . import dependent
 from .cublas import gemm_f16
 from .int8 import Q32_TYPES, q32_kernel, q32_row_bytes
 from .launch import blocks_1d, check, check_rows, cp, kernel, launch_grid_stride, scratch_view
@@ -57,12 +58,17 @@ def dequant_f16(raw, qtype, n_out: int, n_in: int, out=None, w_exp=None):
     w16 = scratch_view(out, (n_out, n_in), "dequant_f16 out", cp.float16)          # (n_out, n_in)
     check(w16, "dequant_f16 out", cp.float16, align16=True)
     n_threads = n_out * n_in // _PER_THREAD
-    args = (raw, w16, np.int64(n_threads))
+    # work before the wait where that is safe (dependent.early, dequant_f16.cu): the
+    # scratch is written while the kernel before still finishes
+    early = dependent.early()
+    dependent.STATE.early_dequants += early
+    tail = (np.int64(n_threads), np.int32(early))
+    args = (raw, w16, *tail)
     if w_exp is not None:
         if qtype != QT.Q6_K:
             raise ValueError(f"dequant_f16: a W_exp plane belongs to q6_K, not {qtype.name}")
         check(w_exp, "dequant_f16 q6_K W_exp", cp.int8, size=n_out * n_in, align16=True)
-        name, args = "dequant_q6k_exp_f16", (raw, w_exp, w16, np.int64(n_threads))
+        name, args = "dequant_q6k_exp_f16", (raw, w_exp, w16, *tail)
     kernel("dequant_f16.cu", name)((blocks_1d(n_threads),), (K["THREADS_1D"],), args)
     return w16
 

@@ -90,7 +90,7 @@ class GraphRunner:
                 fn(inp)
                 stream.synchronize()
                 before = dict(self.counters.counts)
-                launched = dependent.STATE.launched
+                launched, early = dependent.STATE.launched, dependent.STATE.early_dequants
                 stream.begin_capture(_RELAXED)
                 try:
                     with dependent.dependent_launches(self.dependent()):
@@ -100,6 +100,7 @@ class GraphRunner:
         after = self.counters.counts
         counts = {k: after[k] - before[k] for k in after}
         counts["dependent launches"] = dependent.STATE.launched - launched
+        counts["early dequants"] = dependent.STATE.early_dequants - early
         self.counters.counts = before        # the capture ran nothing (the warm run did: counted)
         # the scratch buffers the captured kernels read and write stay alive with the
         # graph, so a later growth (new buffers) cannot free them under it
