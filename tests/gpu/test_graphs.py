@@ -63,6 +63,8 @@ def test_replay_equals_eager_and_counts(engine, T, gemm):
     (rec,) = [g for k, g in cache.graphs.items() if k[0] == ("blocks", T, 0)]
     layers = dict(rec.counts)                                     # one replay's launches
     assert layers.pop("dependent launches") >= 7 * engine.cfg.n_layer   # our kernels, dependent
+    early = layers.pop("early dequants")                          # the f16 engine's dequantizations
+    assert (early >= 4 * engine.cfg.n_layer) if gemm == "f16" else early == 0
     assert sum(layers.values()) >= 7 * engine.cfg.n_layer and all(
         layers[k] <= want_counts[k] for k in layers)
     assert got_counts[0] == want_counts and got_counts[2] == want_counts
