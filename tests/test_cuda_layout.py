@@ -209,3 +209,19 @@ def test_dependent_argument_packing():
     assert isinstance(dependent._arg(1.5, None), ctypes.c_double)
     with pytest.raises(TypeError):
         dependent._arg("x", None)
+
+
+def test_decode_short_limit_and_its_shared_memory():
+    """A decode step attends in one launch below DEC_SHORT_KEYS positions (its splits
+    as sub-blocks of one block); the shared memory that launch asks for is the
+    kernel's layout (per split: its warps' maxima, sums and accumulators, and its
+    partial) and fits the H200's 227 KB a block."""
+    from minfer.backend.cuda import attention
+    from minfer.backend.cuda.nvrtc import K
+    assert attention.DEC_SHORT_KEYS == K["DEC_SHORT_SPLITS"] * K["DEC_CHUNK"] == 256
+    assert attention.decode_short(0) and attention.decode_short(255)
+    assert not attention.decode_short(256) and not attention.decode_short(9000)
+    S, W, G, hd = K["DEC_SHORT_SPLITS"], K["DEC_WARPS"], K["DEC_MAX_G"], K["FA_HD"]
+    floats = S * W * G * hd + S * W * G * 2 + S * G * (hd + 2)       # s_acc, s_ml, s_part
+    assert attention._DEC_SHORT_SMEM == 4 * floats <= 227 * 1024
+    assert W * 32 == hd                                               # a sub-block's thread per dim
