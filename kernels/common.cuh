@@ -34,8 +34,9 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 
 // [p, p + bytes) pulled into L2, one bulk request issued by the block's thread 0.
-// The one thing a kernel may do before its GRID_DEPENDENCY() (and only on memory no
-// kernel of the step writes: weights): launched dependently, the block is resident
+// The one thing a kernel may do before its GRID_DEPENDENCY() (on memory no kernel in
+// flight writes: weights, or KV rows of earlier positions; decode_attn.cu's
+// decode_rows_prefetch_l2 issues one per thread): launched dependently, the block is resident
 // while its predecessor finishes, and the copy from DRAM overlaps that. A prefetch
 // changes no value anywhere. Outside a dependent launch it only starts the loads early.
 __device__ __forceinline__ void block_prefetch_l2(const void* p, unsigned long long bytes) {

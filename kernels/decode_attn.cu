@@ -287,19 +287,39 @@ attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restri
                   part + ((size_t)kvh * G * n_split + split) * DEC_PART, (size_t)n_split * DEC_PART);
 }
 
+// The K and V rows of the DEC_CHUNK keys of this thread's sub-block into L2, one
+// 256-byte row a thread (K for even threads, V for odd), rows past the cache skipped:
+// every row the sub-block may read, whatever the position (which it reads only after
+// its wait). Called before GRID_DEPENDENCY(): those rows were stored by earlier steps
+// (no kernel in flight writes them), or are row p, which this kernel stores later
+// (through L2: the prefetched line is the one the store updates); a prefetch changes
+// no value.
+__device__ __forceinline__ void decode_rows_prefetch_l2(const u16* __restrict__ kc, const u16* __restrict__ vc,
+                                                        int n_kv, int n_ctx) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int d = threadIdx.x % DEC_THREADS;
+    const int key = (threadIdx.x / DEC_THREADS) * DEC_CHUNK + d / 2;
+    if (key < n_ctx) {
+        const u16* row = ((d & 1) ? vc : kc) + ((size_t)key * n_kv + blockIdx.x) * FA_HD;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(FA_HD * 2) : "memory");
+    }
+#endif
+}
+
 // Keys 0..p with p < DEC_SHORT_SPLITS * DEC_CHUNK in one launch: a block per KV head,
 // whose DEC_SHORT_SPLITS sub-blocks of DEC_THREADS each do what attn_decode_f16's
 // blocks of the splits 0, 1, ... do, into shared memory, and then merge the splits
 // as attn_decode_combine does (merge_split, store_head): the same bits, without the
 // combine's launch. Sub-block b merges heads b, b + DEC_SHORT_SPLITS, ...
-// Outputs as attn_decode_combine's. grid = n_kv, block = DEC_SHORT_SPLITS *
-// DEC_THREADS, dynamic shared memory DEC_SHORT_SMEM bytes.
+// Outputs as attn_decode_combine's. kc, vc hold n_ctx positions. grid = n_kv, block =
+// DEC_SHORT_SPLITS * DEC_THREADS, dynamic shared memory DEC_SHORT_SMEM bytes.
 extern "C" __global__ void __launch_bounds__(DEC_SHORT_SPLITS * DEC_THREADS)
 attn_decode_short(const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc,
                   float* __restrict__ o, i8* __restrict__ oq, float* __restrict__ od,
-                  float* __restrict__ os, int n_head, int n_kv, int pos0, const int* __restrict__ pos_dev,
-                  float scale_log2, const float* __restrict__ k_new, const float* __restrict__ v_new,
-                  const float* __restrict__ cos_sin, int neox) {
+                  float* __restrict__ os, int n_head, int n_kv, int n_ctx, int pos0,
+                  const int* __restrict__ pos_dev, float scale_log2, const float* __restrict__ k_new,
+                  const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox) {
+    decode_rows_prefetch_l2(kc, vc, n_kv, n_ctx);
     GRID_DEPENDENCY();
     extern __shared__ float4 s_dyn[];
     typedef float Acc[DEC_MAX_G][FA_HD];

@@ -65,11 +65,13 @@ def test_decode_attention_one_launch_equals_two(cp, n_head, n_kv, pos, fused):
     sub-blocks, merged in shared memory): the bits of the two-launch path (the
     splits' blocks, then the combine), for f32 output and for the q8_1 output with
     RoPE and the KV store inside, at group sizes 7, 6, 8 and 1 and positions at
-    the first, last and past the first split's keys; the cache bytes alike."""
+    the first, last and past the first split's keys; the cache bytes alike; caches
+    that end at the position (the L2 prefetch of the splits' rows stops there) and
+    longer ones."""
     from minfer.backend.cuda import attention, ops
     assert attention.decode_short(pos) and not attention.decode_short(attention.DEC_SHORT_KEYS)
     rng = np.random.default_rng([n_head, n_kv, pos, fused])
-    n_ctx = 300
+    n_ctx = 300 if pos % 2 else pos + 1
     kc0, vc0 = (rng.standard_normal((n_ctx, n_kv, 128)).astype(np.float16) for _ in range(2))
     kc0[pos + 1:] = vc0[pos + 1:] = np.nan                        # never read
     q = cp.asarray((rng.standard_normal((1, n_head, 128)) * 2).astype(np.float32))

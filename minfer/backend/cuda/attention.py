@@ -191,8 +191,8 @@ def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=No
                              f"path's {DEC_SHORT_KEYS} keys")
         _decode_short_kernel(cp.cuda.Device().id)(
             (n_kv,), (K["DEC_SHORT_SPLITS"] * 32 * K["DEC_WARPS"],),
-            (q, k_cache, v_cache, *outs, np.int32(n_head), np.int32(n_kv), *pos_args(pos),
-             np.float32(_SCALE_LOG2), *rope_args), shared_mem=_DEC_SHORT_SMEM)
+            (q, k_cache, v_cache, *outs, np.int32(n_head), np.int32(n_kv), np.int32(n_ctx),
+             *pos_args(pos), np.float32(_SCALE_LOG2), *rope_args), shared_mem=_DEC_SHORT_SMEM)
         return out if q8 is None else q8
     n_split = blocks_1d(n_ctx, K["DEC_CHUNK"])                          # the whole cache
     part = cp.empty((n_head, n_split, FA_HD + 2), cp.float32)           # (n_head, splits, 130)
