@@ -11,6 +11,9 @@
 // replays at any position; the blocks past the position exit at once. A fixed
 // chunk (not a fixed number of splits) keeps the work per warp short at long
 // contexts: 3,325 keys in 32 splits left each warp 26 keys in a row, latency-bound.
+// Below DEC_SHORT_SPLITS splits' worth of keys, attn_decode_short does the splits
+// and their merge in one launch (the same arithmetic, so the same bits); a decode
+// graph is captured for one side of that limit or the other.
 // q stays f32 (it is one row); K and V come from the f16 cache; scores, softmax
 // and accumulators are f32.
 #include "common.cuh"
