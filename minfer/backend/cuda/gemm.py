@@ -142,23 +142,20 @@ class Gemms:
         if p.engine == "matvec":
             q8 = int8.quantize_q8_1(x, *self.q8_scratch(0, T, w.n_in))
             return self._matvecs(q8, (w,), (bias,), (residual,), (out,))[0]
-        if p.engine == "f16" and self._accumulates(residual, bias, out, (T, w.n_out)):
-            return self._f16_linears(x, (w,), (None,), (residual,), accumulate=True)[0]
         if p.engine == "f16":
-            y = self._f16_linears(x, (w,), (bias,), (out,))[0]
+            return self._f16_residual(f16.cast_f16(x, self._x16(x.shape)), w, residual, bias, out)
+        self.counters.count(p)
+        if p.engine == "f32":
+            y = cp.matmul(x, w.data.T, out=out)                          # (T, n_out)
+            if bias is not None:
+                cp.add(y, bias, out=y)
         else:
-            self.counters.count(p)
-            if p.engine == "f32":
-                y = cp.matmul(x, w.data.T, out=out)                      # (T, n_out)
-                if bias is not None:
-                    cp.add(y, bias, out=y)
+            xq, xd, xs = int8.quantize_q8_1(x, *self.q8_scratch(0, T, w.n_in))
+            if w.qtype == QT.Q4_K:
+                y = int8.mmq_q4k(xq, xd, xs, w.data, w.n_out, bias, out)
             else:
-                xq, xd, xs = int8.quantize_q8_1(x, *self.q8_scratch(0, T, w.n_in))
-                if w.qtype == QT.Q4_K:
-                    y = int8.mmq_q4k(xq, xd, xs, w.data, w.n_out, bias, out)
-                else:
-                    plane = self.store.plane_of(w) if p.reads_plane else None
-                    y = int8.mmq_q6k(xq, xd, w.data, plane, w.n_out, bias, out)
+                plane = self.store.plane_of(w) if p.reads_plane else None
+                y = int8.mmq_q6k(xq, xd, w.data, plane, w.n_out, bias, out)
         return y if residual is None else ops.add(residual, y, out=y)
 
     def linear_q8(self, q8, w: GpuWeight, bias=None, residual=None):
@@ -175,10 +172,7 @@ class Gemms:
         T = xh.shape[0]
         if self.path(T, w).engine != "f16" or xh.dtype != cp.float16 or xh.shape != (T, w.n_in):
             raise ValueError(f"linear_f16 {w.name}: needs an f16-engine weight and an f16 (T, {w.n_in}) x")
-        if self._accumulates(residual, None, None, (T, w.n_out)):
-            return self._f16_gemm(xh, w, out=residual, accumulate=True)
-        y = self._f16_gemm(xh, w)
-        return y if residual is None else ops.add(residual, y, out=y)
+        return self._f16_residual(xh, w, residual)
 
     def f16_operand(self, shape):
         """Where a kernel may write an f16 GEMM operand for linear_f16: the f16
@@ -193,7 +187,7 @@ class Gemms:
         engines = {self.path(T, w).engine for w in ws}
         if all(w.n_in == x.shape[1] for w in ws):
             if engines == {"f16"}:
-                return self._f16_linears(x, ws, biases, (None,) * len(ws))
+                return self._f16_linears(x, ws, biases)
             if engines == {"matvec"}:
                 q8 = int8.quantize_q8_1(x, *self.q8_scratch(0, 1, x.shape[1]))   # once for all
                 return self._matvecs(q8, ws, biases)
@@ -319,15 +313,19 @@ class Gemms:
             gu = [self._f16_gemm(xh, w, out=cp.empty((T, d_ff), cp.float16))       # (T, d_ff)
                   for w in (gate, up)]
         f = f16.swiglu_f16(*gu, out=self._x16((T, d_ff)))                          # (T, d_ff)
-        if self._accumulates(residual, None, None, (T, down.n_out)):
-            return self._f16_gemm(f, down, out=residual, accumulate=True)
-        y = self._f16_gemm(f, down)
+        return self._f16_residual(f, down, residual)
+
+    def _f16_residual(self, xh, w: GpuWeight, residual=None, bias=None, out=None):
+        """xh f16 @ W^T [+ bias] [+ residual (consumed)]: the GEMM accumulates into the
+        residual where it can (_accumulates), else the residual is added after it."""
+        if self._accumulates(residual, bias, out, (xh.shape[0], w.n_out)):
+            return self._f16_gemm(xh, w, out=residual, accumulate=True)
+        y = self._f16_gemm(xh, w, out=out, bias=bias)
         return y if residual is None else ops.add(residual, y, out=y)
 
-    def _f16_linears(self, x, ws, biases, outs, accumulate: bool = False):
+    def _f16_linears(self, x, ws, biases):
         xh = f16.cast_f16(x, self._x16(x.shape))                                   # (T, n_in)
-        return [self._f16_gemm(xh, w, out=o, bias=b, accumulate=accumulate)
-                for w, b, o in zip(ws, biases, outs)]
+        return [self._f16_gemm(xh, w, bias=b) for w, b in zip(ws, biases)]
 
     def _f16_gemm(self, xh, w: GpuWeight, out=None, bias=None, accumulate: bool = False):
         """xh f16 @ W^T on W's f16 form (_weight16)."""
