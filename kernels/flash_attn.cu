@@ -43,6 +43,7 @@
 // start 4 banks apart, so ldmatrix is conflict-free.
 
 #include "common.cuh"
+#include "flash_common.cuh"
 
 // FA_HD (head dim), FA_BQ (flattened query rows per block), FA_BK (keys per
 // tile), FA_WARPS (32 rows each) and FA_SMEM (dynamic shared bytes the launch
@@ -51,7 +52,6 @@
 #define FA_LD (FA_HD + 8)                        // shared row length in halves
 #define FA_NT (FA_BK / 8)                        // 8-key tiles of S per tile
 #define FA_KC (FA_HD / 16)                       // 16-dim chunks of Q K^T
-#define FA_NEG_INF (-__int_as_float(0x7f800000))
 
 static_assert(FA_HD == 128, "head dim 128");
 static_assert(FA_BQ == 32 * FA_WARPS, "each warp owns two m16 tiles (32 rows)");
@@ -79,21 +79,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const u16* smem_row)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
-}
-
-// f32 pair -> f16x2 (RNE) in one instruction, lo in the low half (= the lower k index)
-__device__ __forceinline__ u32 fa_pack_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// 2^x on the MUFU (flushes results below 2^-126 to 0: those probabilities are
-// negligible next to the row's largest, which is 1); 2^-inf = 0
-__device__ __forceinline__ float fa_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 // FA_BK keys k0.. of one KV head (rows of 128 halves, positions pos_stride

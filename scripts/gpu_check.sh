@@ -99,29 +99,30 @@ else
     record bench FAIL "no minfer/bench.py or no synthetic model"
 fi
 # 7. attention alone at the 7B's shapes (28 query / 4 KV heads, hd 128), CUDA events:
-#    the path the backend takes at head dim 128 (f16 KV cache, tensor-core flash attention)
+#    the path the backend takes at head dim 128 (f16 KV cache, K/V store, q's cast,
+#    the flash attention), with each flash kernel this GPU has (wgmma first: the default)
 python3 - >>"$LOG/bench.log" 2>&1 <<'PY'
 import cupy as cp, numpy as np
-from minfer.backend.cuda.attention import attention_f16
-for T in (512, 3325):
+from minfer.backend.cuda.attention import attention_f16, flash_kind
+kinds = dict.fromkeys((flash_kind(True), flash_kind(False)))
+for T in (512, 3325, 8192):
     rng = np.random.default_rng(T)
     q = cp.asarray(rng.standard_normal((T, 28, 128), dtype=np.float32))
     k = cp.asarray(rng.standard_normal((T, 4, 128), dtype=np.float32))
     kc = cp.zeros((T, 4, 128), cp.float16); vc = cp.zeros_like(kc)
     y = cp.empty((T, 28 * 128), cp.float32)
-    attention_f16(q, k, k, kc, vc, 0, out=y)          # warm-up (compile)
-    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-    ms = []
-    for _ in range(5):
-        e0.record(); attention_f16(q, k, k, kc, vc, 0, out=y); e1.record(); e1.synchronize()
-        ms.append(cp.cuda.get_elapsed_time(e0, e1))
-    flop = 4 * 28 * 128 * T * (T + 1) / 2
-    print(f"attention 7B-shape T={T}: median {np.median(ms):.3f} ms/layer "
-          f"({flop / np.median(ms) / 1e9:.1f} TFLOP/s, f16 flash)")
+    for kind in kinds:
+        run = lambda: attention_f16(q, k, k, kc, vc, 0, out=y, wgmma=kind == "wgmma")
+        run()                                          # warm-up (compile)
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        ms = []
+        for _ in range(5):
+            e0.record(); run(); e1.record(); e1.synchronize()
+            ms.append(cp.cuda.get_elapsed_time(e0, e1))
+        flop = 4 * 28 * 128 * T * (T + 1) / 2
+        print(f"attention 7B-shape T={T}: median {np.median(ms):.3f} ms/layer "
+              f"({flop / np.median(ms) / 1e9:.1f} TFLOP/s, f16 flash {kind})")
 PY
-att=$(grep -E "^attention 7B-shape T=3325" "$LOG/bench.log" | sed 's/.*median //')
-[ -n "$att" ] && record attn-3325 ok "$att" || record attn-3325 FAIL "see bench.log"
-
 # 8. device out of memory through the CLI: one line on stderr, exit status 2, no traceback
 if [ -n "$SYNTH" ]; then
     python3 -m minfer generate -m "$SYNTH" --backend cuda -c 400000000 -n 1 -q -p hi \

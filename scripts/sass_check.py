@@ -11,7 +11,9 @@ LDGSTS in the EXP=true build, or the fast path silently degrades.
 
 Exit code 1 if LDGSTS is missing from mmq_q6k_bt<.., true>, if any MMQ kernel
 spills, or if mmq_q6k_bt uses more than the 80 registers that
-__launch_bounds__(256, 3) allows. Without cuobjdump (a machine with only
+__launch_bounds__(256, 3) allows. Then kernels/flash_attn_sm90.cu for sm_90a: no
+spills, at most the 128 registers of two blocks an SM, and no wgmma serialized
+by ptxas ("Potential Performance Loss"); with cuobjdump, HGMMA in its SASS. Without cuobjdump (a machine with only
 nvcc/ptxas) the LDGSTS column says so and counts cp.async in the PTX instead;
 that is not SASS evidence, and --require-sass makes it an error.
 
@@ -33,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MMQ = ROOT / "kernels" / "mmq.cu"
 # 3 blocks of MMQ_THREADS per SM (__launch_bounds__ of mmq_q6k_bt) -> 80 (alloc granule 8)
 MAX_REGS_Q6K = 65536 // (K["MMQ_THREADS"] * 3) // 8 * 8
+FLASH90 = ROOT / "kernels" / "flash_attn_sm90.cu"
+# two blocks of FA90_WG warpgroups per SM (__launch_bounds__ of flash_attn_f16_sm90)
+MAX_REGS_FLASH90 = 65536 // (128 * K["FA90_WG"] * 2)
 
 
 def demangle(sym: str) -> str:
@@ -125,11 +130,38 @@ def main() -> int:
             bad.append(msg)
         else:
             print(f"WARNING: {msg}")
+    bad += check_flash90()
     for b in bad:
         print(f"FAIL: {b}")
     if not bad:
         print("OK" + (" (SASS: LDGSTS present in EXP=true)" if have_sass else ""))
     return 1 if bad else 0
+
+
+def check_flash90() -> list[str]:
+    """The wgmma flash attention: registers, spills, no serialized wgmma -> failures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "flash90.cubin"
+        log = run(["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-Xptxas", "-v", *define_flags(),
+                   f"-I{FLASH90.parent}", str(FLASH90), "-o", str(cubin)])
+        hgmma = None
+        if shutil.which("cuobjdump"):
+            hgmma = len(re.findall(r"\bHGMMA\b", run(["cuobjdump", "--dump-sass", str(cubin)])))
+    regs = int(m[1]) if (m := re.search(r"Used (\d+) registers", log)) else -1
+    sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    spills = int(sp[1]) + int(sp[2]) if sp else -1
+    print(f"{'flash_attn_f16_sm90':28} {regs:>5} {'':>6} {spills:>9} (spill bytes)  "
+          f"HGMMA {'n/a' if hgmma is None else hgmma}")
+    bad = []
+    if spills:
+        bad.append(f"flash_attn_f16_sm90 spills ({spills} bytes)")
+    if not 0 < regs <= MAX_REGS_FLASH90:
+        bad.append(f"flash_attn_f16_sm90 uses {regs} registers > {MAX_REGS_FLASH90}")
+    if "Performance Loss" in log:
+        bad.append("flash_attn_f16_sm90: ptxas serialized its wgmma")
+    if hgmma == 0:
+        bad.append("flash_attn_f16_sm90: no HGMMA in the SASS")
+    return bad
 
 
 if __name__ == "__main__":

@@ -315,19 +315,54 @@ ATT_TOL = 1e-3
     (64, 64, 4, 4),       # tiles exactly on the boundaries, no GQA
     (1, 200, 6, 1),       # one new token after 200 cached ones
 ])
-def test_flash_attention(T, pos0, n_head, n_kv):
+@pytest.mark.parametrize("kind", ["mma", "wgmma"])
+def test_flash_attention(T, pos0, n_head, n_kv, kind):
     import cupy as cp
     fp = _fast()
+    _need_flash_kind(kind)
 
     rng = np.random.default_rng(T * 31 + pos0 + n_head)
     n_ctx = pos0 + T + 37
     q, kc, vc = _attn_inputs(rng, T, pos0, n_head, n_kv, n_ctx)
     q16 = q.astype(np.float16)
     out = cp.full((T, n_head * 128), cp.nan, cp.float32)
-    fp.flash_attention(cp.asarray(q16), cp.asarray(kc), cp.asarray(vc), pos0, out)
+    fp.flash_attention(cp.asarray(q16), cp.asarray(kc), cp.asarray(vc), pos0, out, wgmma=kind == "wgmma")
     want = _attn_ref(q16, kc, vc, pos0)
     err = np.abs(out.get().astype(np.float64) - want).max() / np.abs(vc[:pos0 + T].astype(np.float64)).max()
     assert err < ATT_TOL, err
+
+
+def _need_flash_kind(kind):
+    from minfer.backend.cuda import attention
+    if attention.flash_kind(kind == "wgmma") != kind:
+        pytest.skip(f"this GPU has no {kind} flash kernel (flash_attn_sm90.cu is for compute capability 9.0)")
+
+
+@pytest.mark.parametrize("T,pos0,n_head,n_kv", [
+    (3325, 0, 28, 4),     # the 7B's prompt and heads
+    (517, 61, 14, 2),     # continued after a cached prefix
+    (130, 0, 12, 2),      # 6:1, a nearly empty last item
+    (77, 100, 8, 1),      # 8:1, the most query heads decode takes
+    (1, 200, 6, 1),
+])
+def test_flash_wgmma_equals_mma_bit_for_bit(T, pos0, n_head, n_kv):
+    """The Hopper kernel does the mma.sync kernel's arithmetic in its order (the same
+    tiles, the same softmax, the tensor cores' 16-wide sums): both outputs (f32 and
+    the f16 operand) are the same bits, on poisoned caches (NaN past the prompt)."""
+    import cupy as cp
+    fp = _fast()
+    _need_flash_kind("wgmma")
+
+    rng = np.random.default_rng(T + 7 * pos0 + n_head)
+    q, kc, vc = _attn_inputs(rng, T, pos0, n_head, n_kv, pos0 + T + 29)
+    q16, kc, vc = cp.asarray(q.astype(np.float16)), cp.asarray(kc), cp.asarray(vc)
+    for dtype in (cp.float32, cp.float16):
+        got = {}
+        for kind in ("mma", "wgmma"):
+            got[kind] = cp.full((T, n_head * 128), cp.nan, dtype)
+            fp.flash_attention(q16, kc, vc, pos0, got[kind], wgmma=kind == "wgmma")
+        assert not bool(cp.isnan(got["wgmma"]).any())
+        _assert_bits_equal(got["wgmma"].get(), got["mma"].get())
 
 
 def test_attention_f16_long_prompt_subset():

@@ -160,3 +160,30 @@ def test_decode_graphs_either_side_of_the_one_launch_limit(engine):
     # one queued ahead; none queued across the limit at 255); 256..269: eager,
     # capture + replay, 2, then 11 x 1 (the last queues position 270)
     assert be.counters()["graph replays"] == (1 + 2 + 1 + 1) + (1 + 2 + 11)
+
+
+@pytest.mark.parametrize("T", [7, 333])
+def test_flash_kernels_same_bits_and_counted(engine, T):
+    """The prefill attention runs the wgmma kernel by default on a Hopper GPU and the
+    mma.sync kernel with MINFER_FLASH_WGMMA=0 (flash_wgmma=False); each is counted
+    once a layer eager and once a layer a replay (the capturing forward runs the
+    layers once warm and replays the new graph: twice), and the logits are the same
+    bits."""
+    from minfer.backend.cuda import attention
+    be = engine.backend
+    toks = _tokens(T, 5 + T, engine.cfg.vocab_size)
+    got = {}
+    for on in (True, False):
+        kind = attention.flash_kind(on)
+        other = "mma" if kind == "wgmma" else "wgmma"
+        with be.using(flash_wgmma=on):
+            cache = engine.new_cache()
+            for runs in (1, 2, 1):                                # eager, capture, replay
+                be.reset_counters()
+                got[on] = engine.model.forward(toks, 0, cache, logits_from=0)
+                c = be.counters()
+                assert c["flash " + kind] == runs * engine.cfg.n_layer and c["flash " + other] == 0, c
+            assert c["graph replays"] == 1
+    if attention.flash_kind(True) != "wgmma":
+        pytest.skip("no wgmma kernel on this GPU: the mma.sync kernel ran both times")
+    assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))

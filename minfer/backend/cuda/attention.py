@@ -2,7 +2,8 @@
 
     attention_f32    kernels/attention.cu   f32 cache, tiled online softmax (head dims 64, 128)
     store_kv_f16     kernels/decode_attn.cu k, v f32 -> f16 cache rows at a host or device position
-    flash_attention  kernels/flash_attn.cu  f16 cache, tensor-core mma.m16n8k16 (head dim 128)
+    flash_attention  kernels/flash_attn.cu  f16 cache, tensor-core mma.m16n8k16 (head dim 128);
+                     kernels/flash_attn_sm90.cu the same on Hopper through wgmma (flash_kind)
     decode_attention kernels/decode_attn.cu one query row over the f16 cache, split over the
                                             keys in chunks (flash-decoding), position from
                                             device memory; optionally RoPE and the store of
@@ -28,7 +29,7 @@ from ...errors import MinferError
 from .f16 import cast_f16
 from .launch import (NULL, DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, check_rows, cp, kernel,
                      or_null, out_array, pos_args, pos_value, scratch_view)
-from .nvrtc import K
+from .nvrtc import ARCH_SPECIFIC, K
 
 FA_HD = K["FA_HD"]
 DEC_MAX_G = K["DEC_MAX_G"]                  # query heads per KV head that decode_attention takes
@@ -91,10 +92,25 @@ def store_kv_f16(k, v, k_cache, v_cache, pos) -> None:
                                                   *pos_args(pos)))
 
 
-def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
+def flash_kind(wgmma: bool = True) -> str:
+    """Which prefill flash kernel runs on the current device: "wgmma"
+    (flash_attn_sm90.cu) when asked for and the GPU is the one its target is
+    for, else "mma" (flash_attn.cu, any GPU with f16 tensor cores)."""
+    return "wgmma" if wgmma and _device_cc(cp.cuda.Device().id) == ARCH_SPECIFIC["flash_attn_sm90.cu"][1] \
+        else "mma"
+
+
+@functools.lru_cache(maxsize=None)
+def _device_cc(device_id: int) -> tuple[int, int]:
+    cc = cp.cuda.Device(device_id).compute_capability          # e.g. "90"
+    return int(cc[:-1]), int(cc[-1])
+
+
+def flash_attention(q16, k_cache, v_cache, pos0: int, out=None, wgmma: bool = True):
     """q16 (T, n_head, 128) f16; k_cache, v_cache (n_ctx, n_kv, 128) f16 holding
     positions 0..pos0+T-1 -> out (T, n_head*128) f32, or f16 when out is an f16
-    array (the f32 values rounded to nearest even, as cast_f16 rounds them)."""
+    array (the f32 values rounded to nearest even, as cast_f16 rounds them).
+    wgmma=False keeps a Hopper GPU on the mma.sync kernel (flash_kind)."""
     check(q16, "flash_attention q16", cp.float16, ndim=3, align16=True)
     T, n_head, hd = q16.shape
     if hd != FA_HD:
@@ -109,20 +125,24 @@ def flash_attention(q16, k_cache, v_cache, pos0: int, out=None):
     out = out_array(out, (T, n_head * FA_HD), "flash_attention out", cp.float16 if half else None,
                     align16=True)
     if T:
-        _flash_kernel(cp.cuda.Device().id)(
-            (blocks_1d(T * (n_head // n_kv), K["FA_BQ"]), n_kv), (32 * K["FA_WARPS"],),
-            (q16, k_cache, v_cache, NULL if half else out, out if half else NULL, np.int32(T),
-             np.int32(n_head), np.int32(n_kv), np.int32(pos0), np.float32(_SCALE_LOG2)),
-            shared_mem=K["FA_SMEM"])
+        fn, threads, smem = _flash_kernel(cp.cuda.Device().id, flash_kind(wgmma))
+        fn((blocks_1d(T * (n_head // n_kv), K["FA_BQ"]), n_kv), (threads,),
+           (q16, k_cache, v_cache, NULL if half else out, out if half else NULL, np.int32(T),
+            np.int32(n_head), np.int32(n_kv), np.int32(pos0), np.float32(_SCALE_LOG2)),
+           shared_mem=smem)
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def _flash_kernel(device_id: int):
-    """The flash kernel, opted in (once per device) to its > 48 KB of dynamic shared memory."""
-    fn = kernel("flash_attn.cu", "flash_attn_f16")
-    fn.fn.max_dynamic_shared_size_bytes = K["FA_SMEM"]
-    return fn
+def _flash_kernel(device_id: int, kind: str):
+    """(kernel, threads, dynamic shared bytes) of a flash kind, opted in (once per
+    device) to its > 48 KB of dynamic shared memory."""
+    if kind == "wgmma":
+        fn, threads, smem = kernel("flash_attn_sm90.cu", "flash_attn_f16_sm90"), 128 * K["FA90_WG"], K["FA90_SMEM"]
+    else:
+        fn, threads, smem = kernel("flash_attn.cu", "flash_attn_f16"), 32 * K["FA_WARPS"], K["FA_SMEM"]
+    fn.fn.max_dynamic_shared_size_bytes = smem
+    return fn, threads, smem
 
 
 def decode_short(pos: int) -> bool:
@@ -246,7 +266,7 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
     return q_out
 
 
-def attend_f16(q, k_cache, v_cache, pos, out=None, q16=None):
+def attend_f16(q, k_cache, v_cache, pos, out=None, q16=None, wgmma: bool = True):
     """q (T, n_head, 128) f32 over one layer's f16 caches holding positions
     0..pos+T-1 -> (T, n_head*128) f32. One row (decode) reads q in f32
     (decode_attention; pos may be a launch.DevicePos); longer prompts round q into
@@ -256,11 +276,11 @@ def attend_f16(q, k_cache, v_cache, pos, out=None, q16=None):
     if isinstance(pos, DevicePos):
         raise ValueError("attend_f16: a device position is for one-row (decode) steps")
     qh = cast_f16(q, scratch_view(q16, q.shape, "attend_f16 q16", cp.float16))   # (T, n_head, 128)
-    return flash_attention(qh, k_cache, v_cache, pos, out)
+    return flash_attention(qh, k_cache, v_cache, pos, out, wgmma)
 
 
-def attention_f16(q, k, v, k_cache, v_cache, pos, out=None, q16=None):
+def attention_f16(q, k, v, k_cache, v_cache, pos, out=None, q16=None, wgmma: bool = True):
     """q (T, n_head, 128), k/v (T, n_kv, 128) f32: stores k/v into the f16 caches at
     pos.., then attend_f16 -> (T, n_head*128) f32."""
     store_kv_f16(k, v, k_cache, v_cache, pos)
-    return attend_f16(q, k_cache, v_cache, pos, out, q16)
+    return attend_f16(q, k_cache, v_cache, pos, out, q16, wgmma)

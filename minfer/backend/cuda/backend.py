@@ -257,7 +257,13 @@ class CUDABackend(Backend):
                                               neox=self.cfg.rope_neox, q8=q8)
         q16 = attention.rope_store_kv_f16(q, k, v, kc, vc, self._cos_sin, pos0, self.cfg.rope_neox,
                                           q_out=cp.empty(q.shape, cp.float16), biases=biases)
-        return attention.flash_attention(q16, kc, vc, pos_value(pos0), out=out)
+        return attention.flash_attention(q16, kc, vc, pos_value(pos0), out=out, wgmma=self._flash_wgmma())
+
+    def _flash_wgmma(self) -> bool:
+        """The settings' choice of flash kernel, counted as the kernel that runs."""
+        wgmma = self._settings.flash_wgmma
+        self.gemm.counters.counts["flash " + attention.flash_kind(wgmma)] += 1
+        return wgmma
 
     def _check_heads(self, q, k) -> None:
         cfg = self.cfg
@@ -267,7 +273,8 @@ class CUDABackend(Backend):
     def attention(self, q, k, v, cache, layer: int, pos0: int, out=None):
         self._check_heads(q, k)
         if cache.k.dtype == cp.float16:          # head dim 128: tensor-core flash attention
-            return attention.attention_f16(q, k, v, cache.k[layer], cache.v[layer], pos0, out=out)
+            wgmma = self._flash_wgmma() if q.shape[0] > 1 else True
+            return attention.attention_f16(q, k, v, cache.k[layer], cache.v[layer], pos0, out=out, wgmma=wgmma)
         return attention.attention_f32(q, k, v, cache.k[layer], cache.v[layer], pos0, out=out)
 
     def swiglu(self, gate, up, out=None):

@@ -40,7 +40,8 @@ _PREFIX = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.
            QT.Q5_1: "q5_1", QT.Q8_0: "q8_0", QT.Q5_K: "q5k"}
 COUNTERS = (("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
              "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw", "q6k f16 kept",
-             "q4k_mv", "q6k_mv", "f32_gemm", "dependent launches", "early dequants")
+             "q4k_mv", "q6k_mv", "f32_gemm", "dependent launches", "early dequants",
+             "flash wgmma", "flash mma")
             + tuple(f"{p}_{e}" for t, p in _PREFIX.items() if t not in int8.MMQ_TYPES
                     for e in ("f16", "mv")))
 

@@ -58,6 +58,12 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "FA_BK": 64,
     "FA_WARPS": 4,
     "FA_SMEM": (128 + 4 * 64) * (128 + 8) * 2,
+    # the Hopper flash attention (flash_attn_sm90.cu, wgmma): the same FA_BQ rows and
+    # FA_BK keys, FA90_WG warpgroups of 64 rows; FA90_SMEM bytes: Q and two stages
+    # of K and V in 128-byte swizzled rows (FA_HD halves = 256 bytes each), and 1 KB
+    # to align them to the swizzle's 1024-byte atoms
+    "FA90_WG": 2,
+    "FA90_SMEM": (128 + 4 * 64) * 128 * 2 + 1024,
     # one-query (decode) attention (decode_attn.cu): the keys split into chunks of
     # DEC_CHUNK per KV head, DEC_WARPS warps per chunk (DEC_WARPS * 32 == FA_HD), up
     # to DEC_MAX_G query heads per KV head
@@ -73,6 +79,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
 K = KERNEL_CONSTANTS
 
 NVRTC_OPTIONS = ("-std=c++17",)
+# Files that use instructions of one GPU only, and the target they compile for:
+# wgmma exists on compute capability 9.0 alone, through its "a" target
+ARCH_SPECIFIC = {"flash_attn_sm90.cu": ("sm_90a", (9, 0))}
 
 
 def define_flags() -> tuple[str, ...]:
@@ -101,5 +110,7 @@ def module(filename: str, name_expressions: tuple[str, ...] = ()):
     import cupy
 
     opts = NVRTC_OPTIONS + (f"-I{kernel_dir()}",) + define_flags()
+    if filename in ARCH_SPECIFIC:
+        opts += (f"-arch={ARCH_SPECIFIC[filename][0]}",)
     return cupy.RawModule(code=(kernel_dir() / filename).read_text(), options=opts,
                           name_expressions=name_expressions or None)
