@@ -29,10 +29,10 @@ def test_settings_from_env():
     s = CudaSettings.from_env({"MINFER_MMQ_Q6K_EXP": "0", "MINFER_FFN_F16": "0",
                                "MINFER_CUDA_GRAPHS": "0", "MINFER_MMQ_RAW_NB_DEBUG": "1",
                                "MINFER_TEST_FORCE_EXP_MISS": "1", "MINFER_F16_WEIGHTS": "1",
-                               "MINFER_PDL": "0"})
+                               "MINFER_PDL": "0", "MINFER_FLASH_WGMMA": "0"})
     assert (s.exp_planes, s.ffn_f16, s.graphs, s.report_counts, s.force_exp_miss, s.f16_weights,
-            s.dependent_launches) == (False, False, False, True, True, True, False)
-    assert CudaSettings().dependent_launches
+            s.dependent_launches, s.flash_wgmma) == (False, False, False, True, True, True, False, False)
+    assert CudaSettings().dependent_launches and CudaSettings().flash_wgmma
     assert not CudaSettings().f16_weights
     assert not s.use_planes and CudaSettings().use_planes
     assert not CudaSettings().replace(exp_enabled=False).use_planes

@@ -1,10 +1,12 @@
 """The golden greedy streams on the GPU: equal to tests/golden/*.json byte for
 byte, and byte-identical in the three q6_K modes (all three accumulate in the
-same order), each mode with its liveness counters:
+same order) and with either prompt attention kernel, each mode with its liveness
+counters:
 
-    exp       (default)                  exp > 0, fallback! == 0
+    exp       (default)                  exp > 0, fallback! == 0; flash wgmma on Hopper
     exp=off   MINFER_MMQ_Q6K_EXP=0       only exp=off, no planes (plane_bytes == 0)
     fallback! MINFER_TEST_FORCE_EXP_MISS=1  fallback! > 0
+    flash=mma MINFER_FLASH_WGMMA=0       flash mma only (the mma.sync kernel)
 
 Each mode runs `scripts/golden.py --report` in its own process, since the
 variables are read when the backend is created (CudaSettings.from_env).
@@ -26,6 +28,7 @@ MODES = {
     "exp": {},
     "exp=off": {"MINFER_MMQ_Q6K_EXP": "0"},
     "fallback!": {"MINFER_TEST_FORCE_EXP_MISS": "1"},
+    "flash=mma": {"MINFER_FLASH_WGMMA": "0"},
 }
 EXP, OFF, MISS = "q6k exp", "q6k exp=off", "q6k fallback!"
 
@@ -39,7 +42,7 @@ def runs(tmp_path_factory, synth_dir):
     out = {}
     for mode, extra in MODES.items():
         env = {k: v for k, v in os.environ.items()
-               if k not in ("MINFER_MMQ_Q6K_EXP", "MINFER_TEST_FORCE_EXP_MISS")}
+               if k not in ("MINFER_MMQ_Q6K_EXP", "MINFER_TEST_FORCE_EXP_MISS", "MINFER_FLASH_WGMMA")}
         env.update(extra, MINFER_MMQ_RAW_NB_DEBUG="1")
         rep = tmp / f"{mode.replace('!', '').replace('=', '_')}.json"
         p = subprocess.run([sys.executable, str(ROOT / "scripts" / "golden.py"), "--report", str(rep),
@@ -75,3 +78,9 @@ def test_liveness_counters(runs):
     assert c["exp=off"].get(EXP, 0) == 0 and c["exp=off"].get(MISS, 0) == 0, c["exp=off"]
     assert planes["exp=off"] == 0
     assert c["fallback!"].get(MISS, 0) > 0, c["fallback!"]
+    # the prompt attention: the default's kernel is the one this GPU has (flash_kind)
+    from minfer.backend.cuda.attention import flash_kind
+    kind = flash_kind(True)
+    assert c["exp"].get(f"flash {kind}", 0) > 0, c["exp"]
+    assert c["exp"].get("flash wgmma" if kind == "mma" else "flash mma", 0) == 0, c["exp"]
+    assert c["flash=mma"].get("flash mma", 0) > 0 and c["flash=mma"].get("flash wgmma", 0) == 0, c["flash=mma"]
