@@ -21,7 +21,8 @@
 // tile (FA_BK rows each), every tile stored as two panels (dims 0-63, 64-127)
 // of 128-byte rows with the 128-byte swizzle wgmma reads: the 16-byte chunk c
 // of row r sits at chunk position c ^ (r % 8) of its row. Tile j+1 is fetched
-// by cp.async while tile j is computed, as in flash_attn.cu.
+// by cp.async while tile j is computed, as in flash_attn.cu; its copies are
+// issued once the S products are under way, so the tensor cores start first.
 //
 // wgmma operands (PTX ISA, "asynchronous warpgroup level matrix"):
 //   S (64 x 64 f32, m64n64k16 x 8 steps of 16 dims): A = Q rows, B = K rows,
@@ -200,12 +201,6 @@ flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
         cp_wait0();                                   // this thread's copies of tile j landed
         fw_proxy_fence();                             // ... and are visible to wgmma
         __syncthreads();                              // everyone's; and tile j-1's stage is free
-        if (j + 1 < n_tiles) {
-            u8* nxt = sm + FW_Q_BYTES + ((j + 1) & 1) * 2 * FW_KV_BYTES;
-            fw_load_kv(nxt, kb, pos_stride, k0 + FA_BK, n_keys);
-            fw_load_kv(nxt + FW_KV_BYTES, vb, pos_stride, k0 + FA_BK, n_keys);
-            cp_commit();
-        }
         const unsigned s_k = s_kv + (j & 1) * 2 * FW_KV_BYTES, s_v = s_k + FW_KV_BYTES;
 
         // S (64 x FA_BK) = Q K^T
@@ -223,6 +218,12 @@ flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
             }
         }
         fw_commit();
+        if (j + 1 < n_tiles) {                        // the next tile's copies, behind the products
+            u8* nxt = sm + FW_Q_BYTES + ((j + 1) & 1) * 2 * FW_KV_BYTES;
+            fw_load_kv(nxt, kb, pos_stride, k0 + FA_BK, n_keys);
+            fw_load_kv(nxt + FW_KV_BYTES, vb, pos_stride, k0 + FA_BK, n_keys);
+            cp_commit();
+        }
         fw_wait0();
         fw_pin(s);
 
