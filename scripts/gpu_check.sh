@@ -100,7 +100,9 @@ else
 fi
 # 7. attention alone at the 7B's shapes (28 query / 4 KV heads, hd 128), CUDA events:
 #    the path the backend takes at head dim 128 (f16 KV cache, K/V store, q's cast,
-#    the flash attention), with each flash kernel this GPU has (wgmma first: the default)
+#    the flash attention), with each flash kernel this GPU has (wgmma first: the default).
+#    Ten calls back to back between two events, so the GPU time is measured and not
+#    the host's launch gaps (a single call between events also timed Python)
 python3 - >>"$LOG/bench.log" 2>&1 <<'PY'
 import cupy as cp, numpy as np
 from minfer.backend.cuda.attention import attention_f16, flash_kind
@@ -117,8 +119,11 @@ for T in (512, 3325, 8192):
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         ms = []
         for _ in range(5):
-            e0.record(); run(); e1.record(); e1.synchronize()
-            ms.append(cp.cuda.get_elapsed_time(e0, e1))
+            e0.record()
+            for _ in range(10):
+                run()
+            e1.record(); e1.synchronize()
+            ms.append(cp.cuda.get_elapsed_time(e0, e1) / 10)
         flop = 4 * 28 * 128 * T * (T + 1) / 2
         print(f"attention 7B-shape T={T}: median {np.median(ms):.3f} ms/layer "
               f"({flop / np.median(ms) / 1e9:.1f} TFLOP/s, f16 flash {kind})")
