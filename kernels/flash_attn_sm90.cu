@@ -13,8 +13,9 @@
 // holds 8 warps and the tensor pipe idles on their latencies (docs/PERF.md 6.24).
 // wgmma reads both operands of S = Q K^T and the V operand of O += P V straight
 // from shared memory, asynchronously, for a warpgroup (4 warps, 64 rows) at a
-// time; the scores need ~100 registers a thread, so two blocks (16 warps) fit
-// an SM and one warpgroup's softmax runs while another's products do.
+// time; its accumulators (64 registers of O, 32 of S a thread) leave the kernel
+// at 128 registers, so two blocks (16 warps) fit an SM and one warpgroup's
+// softmax runs while another's products do.
 //
 // Block = FA90_WG warpgroups of 64 rows. Shared memory (FA90_SMEM bytes,
 // 1024-aligned inside): Q (FA_BQ rows), then two stages of a K tile and a V

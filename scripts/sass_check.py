@@ -13,9 +13,10 @@ Exit code 1 if LDGSTS is missing from mmq_q6k_bt<.., true>, if any MMQ kernel
 spills, or if mmq_q6k_bt uses more than the 80 registers that
 __launch_bounds__(256, 3) allows. Then kernels/flash_attn_sm90.cu for sm_90a: no
 spills, at most the 128 registers of two blocks an SM, and no wgmma serialized
-by ptxas ("Potential Performance Loss"); with cuobjdump, HGMMA in its SASS. Without cuobjdump (a machine with only
-nvcc/ptxas) the LDGSTS column says so and counts cp.async in the PTX instead;
-that is not SASS evidence, and --require-sass makes it an error.
+by ptxas ("Potential Performance Loss"); with cuobjdump, HGMMA in its SASS.
+Without cuobjdump (a machine with only nvcc/ptxas) the LDGSTS column says so and
+counts cp.async in the PTX instead; that is not SASS evidence, and
+--require-sass makes it an error.
 
     python3 scripts/sass_check.py [--arch sm_90] [--require-sass]
 """
