@@ -10,7 +10,8 @@
 // K/V tile it stages in shared memory serves 128 query rows, and as its rows
 // span few positions little work is lost at the causal diagonal. Blocks take
 // the items heaviest (last rows) first, the KV heads interleaved, so that the
-// longest items start in the first wave and the lightest fill the tail.
+// longest items start in the first wave and the lightest fill the tail
+// (fa_item in flash_common.cuh, with the Q and K/V copies and the row store).
 //
 // Block = 4 warps of 32 rows (two m16 tiles each, sharing every K and V
 // fragment the warp loads). Dynamic shared memory (FA_SMEM bytes): the block's
@@ -81,23 +82,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const u16* smem_row)
                  : "r"(a));
 }
 
-// FA_BK keys k0.. of one KV head (rows of 128 halves, positions pos_stride
-// halves apart) -> tile (FA_BK, FA_LD) in shared memory: this thread copies the
-// 16-byte chunk (threadIdx.x & 15) of keys k0 + threadIdx.x/16 + 8i. Keys >=
-// n_keys are zero-filled (src-size 0: nothing is read from their addresses),
-// so masked probabilities (0) never meet garbage (0 * NaN).
-__device__ __forceinline__ void fa_load_kv(u16* tile, const u16* __restrict__ base,
-                                           long long pos_stride, int k0, int n_keys) {
-    const int r = threadIdx.x >> 4, ch = (threadIdx.x & 15) * 8;
-    const u16* src = base + k0 * pos_stride;                    // the same for the whole block
-    const int off = r * (int)pos_stride + ch;                   // this thread's offset in the tile
-#pragma unroll
-    for (int i = 0; i < FA_BK * FA_HD / 8 / FA_THREADS; ++i) {
-        const int key = i * (FA_THREADS / 16) + r;
-        cp16(tile + key * FA_LD + ch, src + i * (FA_THREADS / 16) * pos_stride + off, k0 + key < n_keys);
-    }
-}
-
 // q: (T, n_head, 128) f16; k_cache, v_cache: (n_ctx, n_kv, 128) f16 with
 // positions 0 .. pos0+T-1 stored; o: (T, n_head*128) f32, or with o16 given the
 // same values rounded to f16 there instead (cast_f32_f16's bits: the o
@@ -115,44 +99,21 @@ flash_attn_f16(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     u16* const Qs = fa_smem;                          // (FA_BQ rows, FA_LD)
     u16* const KVs = fa_smem + FA_BQ * FA_LD;         // stage s: K at 2s, V at 2s+1
 
-    const int G = n_head / n_kv;
-    const int n_rows = T * G;                         // flattened (token, head) rows per KV head
-    const int n_items = (n_rows + FA_BQ - 1) / FA_BQ;
-    const int lin = blockIdx.x + gridDim.x * blockIdx.y;
-    if (lin >= n_items * n_kv) return;
-    const int kvh = lin % n_kv;
-    const int row0 = (n_items - 1 - lin / n_kv) * FA_BQ;        // heaviest items first
+    FaItem it;
+    if (!fa_item(it, T, n_head, n_kv, pos0)) return;
+    const int G = it.G, row0 = it.row0;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int n_keys = pos0 + T;                                // keys 0 .. pos0+T-1 exist
-    const int last_tok = (min(row0 + FA_BQ, n_rows) - 1) / G;
-    const int n_tiles = (pos0 + last_tok + FA_BK) / FA_BK;      // tiles holding keys 0 .. pos0+last_tok
     const long long pos_stride = (long long)n_kv * FA_HD;       // halves between positions
-    const u16* kb = k_cache + (long long)kvh * FA_HD;
-    const u16* vb = v_cache + (long long)kvh * FA_HD;
+    const u16* kb = k_cache + (long long)it.kvh * FA_HD;
+    const u16* vb = v_cache + (long long)it.kvh * FA_HD;
+    // a tile of shared rows of FA_LD halves: chunk c of row r at r * FA_LD + 8c
+    auto padded = [](u16* tile) { return [tile](int r, int c) { return tile + r * FA_LD + c * 8; }; };
 
-    // Q rows of the block: this thread copies chunk threadIdx.x % 16 of rows
-    // threadIdx.x / 16 + 8i, walking (token, head) = (tok, hd) along. Rows past
-    // n_rows are zero-filled (computed, never stored).
-    {
-        const int r0 = threadIdx.x >> 4, ch = (threadIdx.x & 15) * 8;
-        const int step = FA_THREADS / 16, dtok = step / G, dhd = step % G;
-        int tok = (row0 + r0) / G, hd = row0 + r0 - tok * G;
-#pragma unroll
-        for (int i = 0; i < FA_BQ / step; ++i) {
-            const int r = r0 + i * step;
-            cp16(Qs + r * FA_LD + ch, q + ((long long)tok * n_head + kvh * G + hd) * FA_HD + ch, row0 + r < n_rows);
-            tok += dtok;
-            hd += dhd;
-            if (hd >= G) {
-                hd -= G;
-                ++tok;
-            }
-        }
-    }
-    fa_load_kv(KVs, kb, pos_stride, 0, n_keys);
-    fa_load_kv(KVs + FA_BK * FA_LD, vb, pos_stride, 0, n_keys);
+    fa_load_q<FA_THREADS>(padded(Qs), q, it, n_head);
+    fa_load_kv<FA_THREADS>(padded(KVs), kb, pos_stride, 0, it.n_keys);
+    fa_load_kv<FA_THREADS>(padded(KVs + FA_BK * FA_LD), vb, pos_stride, 0, it.n_keys);
     cp_commit();
 
     // this lane's rows: m-tile mt, half hf -> block row warp*32 + 16mt + 8hf + g
@@ -172,14 +133,14 @@ flash_attn_f16(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     const int k_off = ((lane & 7) + ((lane >> 4) << 3)) * FA_LD + ((lane >> 3) & 1) * 8;
     const int v_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * FA_LD + (lane >> 4) * 8;
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = 0; j < it.n_tiles; ++j) {
         const int k0 = j * FA_BK;
         cp_wait0();                                   // this thread's copies of tile j landed
         __syncthreads();                              // everyone's; and tile j-1's stage is free
-        if (j + 1 < n_tiles) {
+        if (j + 1 < it.n_tiles) {
             u16* nxt = KVs + ((j + 1) & 1) * 2 * FA_BK * FA_LD;
-            fa_load_kv(nxt, kb, pos_stride, k0 + FA_BK, n_keys);
-            fa_load_kv(nxt + FA_BK * FA_LD, vb, pos_stride, k0 + FA_BK, n_keys);
+            fa_load_kv<FA_THREADS>(padded(nxt), kb, pos_stride, k0 + FA_BK, it.n_keys);
+            fa_load_kv<FA_THREADS>(padded(nxt + FA_BK * FA_LD), vb, pos_stride, k0 + FA_BK, it.n_keys);
             cp_commit();
         }
         const u16* Kt = KVs + (j & 1) * 2 * FA_BK * FA_LD;
@@ -303,33 +264,12 @@ flash_attn_f16(const u16* __restrict__ q, const u16* __restrict__ k_cache,
         }
     }
 
-    const long long ld_o = (long long)n_head * FA_HD;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            float lt = l[mt][hf];
-            lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-            lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-            const float inv = 1.0f / lt;
-            const int row = row0 + warp * 32 + 16 * mt + 8 * hf + g;
-            if (row < n_rows) {
-                const int tok = row / G;
-                const long long at = (long long)tok * ld_o + (kvh * G + row - tok * G) * FA_HD + 2 * t;
-                if (o16) {
-#pragma unroll
-                    for (int n = 0; n < 16; ++n)
-                        *(u32*)(o16 + at + 8 * n) = f32x2_to_f16x2(acc[mt][n][2 * hf] * inv,
-                                                                   acc[mt][n][2 * hf + 1] * inv);
-                } else {
-#pragma unroll
-                    for (int n = 0; n < 16; ++n)
-                        *(float2*)(o + at + 8 * n) = make_float2(acc[mt][n][2 * hf] * inv,
-                                                                 acc[mt][n][2 * hf + 1] * inv);
-                }
-            }
-        }
-    }
+        for (int hf = 0; hf < 2; ++hf)
+            fa_store_row(o, o16, it, n_head, row0 + warp * 32 + 16 * mt + 8 * hf + g, t, l[mt][hf],
+                         [&](int n, int e) { return acc[mt][n][2 * hf + e]; });
 }
 
 #ifdef MINFER_SASS_INSTANTIATE

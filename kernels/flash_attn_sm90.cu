@@ -4,9 +4,10 @@
 // 16-wide product the same way in mma.sync and wgmma (tests/gpu: compared):
 //   O[t, h, :] = sum_j softmax_j(Q[t,h,:] . K[j,kvh,:] / sqrt(128)) V[j,kvh,:]
 //
-// Work items as in flash_attn.cu: the G query heads of a KV head flattened into
-// rows t*G + i, a block takes FA_BQ = 128 of them (heaviest first) and walks the
-// keys in tiles of FA_BK = 64 up to its last row's position.
+// Work items as in flash_attn.cu (flash_common.cuh's fa_item): the G query heads
+// of a KV head flattened into rows t*G + i, a block takes FA_BQ = 128 of them
+// (heaviest first) and walks the keys in tiles of FA_BK = 64 up to its last row's
+// position.
 //
 // Why wgmma: with mma.sync every warp pulls its K and V fragments through the
 // register file (ldmatrix), and a 32-row warp needs ~255 registers, so an SM
@@ -120,20 +121,6 @@ __device__ __forceinline__ void fw_mma_o(float (&d)[64], const u32 (&a)[4], u64 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-// FA_BK keys k0.. of one KV head -> a swizzled tile at smem (generic pointer):
-// thread i copies chunk i % 16 of keys k0 + i/16 + 16n; keys >= n_keys zero-filled
-__device__ __forceinline__ void fw_load_kv(u8* tile, const u16* __restrict__ base,
-                                           long long pos_stride, int k0, int n_keys) {
-    const int r = threadIdx.x >> 4, c = threadIdx.x & 15;
-    const u16* src = base + (k0 + r) * pos_stride + c * 8;
-#pragma unroll
-    for (int i = 0; i < FA_BK / (FW_THREADS / 16); ++i) {
-        const int key = r + i * (FW_THREADS / 16);
-        cp16(tile + fw_chunk(FW_KV_PANEL, key, c), src + i * (FW_THREADS / 16) * pos_stride,
-             k0 + key < n_keys);
-    }
-}
-
 // Arguments, grid and results as flash_attn_f16 (flash_attn.cu); block:
 // FW_THREADS threads, FA90_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(FW_THREADS, 2)
@@ -147,49 +134,27 @@ flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     u8* const sm = fw_smem + pad;
     const unsigned s_q = raw + pad, s_kv = s_q + FW_Q_BYTES;     // shared addresses
 
-    const int G = n_head / n_kv;
-    const int n_rows = T * G;
-    const int n_items = (n_rows + FA_BQ - 1) / FA_BQ;
-    const int lin = blockIdx.x + gridDim.x * blockIdx.y;
-    if (lin >= n_items * n_kv) return;
-    const int kvh = lin % n_kv;
-    const int row0 = (n_items - 1 - lin / n_kv) * FA_BQ;        // heaviest items first
+    FaItem it;
+    if (!fa_item(it, T, n_head, n_kv, pos0)) return;
 
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
-    const int n_keys = pos0 + T;
-    const int last_tok = (min(row0 + FA_BQ, n_rows) - 1) / G;
-    const int n_tiles = (pos0 + last_tok + FA_BK) / FA_BK;
     const long long pos_stride = (long long)n_kv * FA_HD;
-    const u16* kb = k_cache + (long long)kvh * FA_HD;
-    const u16* vb = v_cache + (long long)kvh * FA_HD;
+    const u16* kb = k_cache + (long long)it.kvh * FA_HD;
+    const u16* vb = v_cache + (long long)it.kvh * FA_HD;
+    // a swizzled tile of two panels (panel bytes each): chunk c of row r at fw_chunk
+    auto swizzled = [](u8* tile, int panel) {
+        return [tile, panel](int r, int c) { return tile + fw_chunk(panel, r, c); };
+    };
 
-    // Q rows of the block: chunk threadIdx.x % 16 of rows threadIdx.x / 16 + 16i,
-    // (token, head) walked along; rows past n_rows zero-filled (computed, never stored)
-    {
-        const int r0 = threadIdx.x >> 4, c = threadIdx.x & 15;
-        const int step = FW_THREADS / 16, dtok = step / G, dhd = step % G;
-        int tok = (row0 + r0) / G, hd = row0 + r0 - tok * G;
-#pragma unroll
-        for (int i = 0; i < FA_BQ / step; ++i) {
-            const int r = r0 + i * step;
-            cp16(sm + fw_chunk(FW_Q_PANEL, r, c), q + ((long long)tok * n_head + kvh * G + hd) * FA_HD + c * 8,
-                 row0 + r < n_rows);
-            tok += dtok;
-            hd += dhd;
-            if (hd >= G) {
-                hd -= G;
-                ++tok;
-            }
-        }
-    }
-    fw_load_kv(sm + FW_Q_BYTES, kb, pos_stride, 0, n_keys);
-    fw_load_kv(sm + FW_Q_BYTES + FW_KV_BYTES, vb, pos_stride, 0, n_keys);
+    fa_load_q<FW_THREADS>(swizzled(sm, FW_Q_PANEL), q, it, n_head);
+    fa_load_kv<FW_THREADS>(swizzled(sm + FW_Q_BYTES, FW_KV_PANEL), kb, pos_stride, 0, it.n_keys);
+    fa_load_kv<FW_THREADS>(swizzled(sm + FW_Q_BYTES + FW_KV_BYTES, FW_KV_PANEL), vb, pos_stride, 0, it.n_keys);
     cp_commit();
 
     // this thread's rows: h -> block row 64wg + 16warp + 8h + g
-    const int warp_row0 = row0 + wg * 64 + warp * 16;
-    const int warp_pos_min = pos0 + warp_row0 / G;
+    const int warp_row0 = it.row0 + wg * 64 + warp * 16;
+    const int warp_pos_min = pos0 + warp_row0 / it.G;
     const unsigned s_qa = s_q + (wg * 64) * 128;                // this warpgroup's Q rows
 
     float acc[64];                                    // O (64 rows, 128 dims)
@@ -197,7 +162,7 @@ flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
     float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.0f, 0.0f};
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = 0; j < it.n_tiles; ++j) {
         const int k0 = j * FA_BK;
         cp_wait0();                                   // this thread's copies of tile j landed
         fw_proxy_fence();                             // ... and are visible to wgmma
@@ -219,10 +184,10 @@ flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
             }
         }
         fw_commit();
-        if (j + 1 < n_tiles) {                        // the next tile's copies, behind the products
+        if (j + 1 < it.n_tiles) {                     // the next tile's copies, behind the products
             u8* nxt = sm + FW_Q_BYTES + ((j + 1) & 1) * 2 * FW_KV_BYTES;
-            fw_load_kv(nxt, kb, pos_stride, k0 + FA_BK, n_keys);
-            fw_load_kv(nxt + FW_KV_BYTES, vb, pos_stride, k0 + FA_BK, n_keys);
+            fa_load_kv<FW_THREADS>(swizzled(nxt, FW_KV_PANEL), kb, pos_stride, k0 + FA_BK, it.n_keys);
+            fa_load_kv<FW_THREADS>(swizzled(nxt + FW_KV_BYTES, FW_KV_PANEL), vb, pos_stride, k0 + FA_BK, it.n_keys);
             cp_commit();
         }
         fw_wait0();
@@ -233,7 +198,7 @@ flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 // key k0 + 8nt + 2t + e is past this row's position qp when 8nt + e > lim
-                const int lim = pos0 + (warp_row0 + 8 * hf + g) / G - k0 - 2 * t;
+                const int lim = pos0 + (warp_row0 + 8 * hf + g) / it.G - k0 - 2 * t;
 #pragma unroll
                 for (int nt = 0; nt < FA_BK / 8; ++nt)
 #pragma unroll
@@ -299,26 +264,8 @@ flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
         fw_pin(acc);
     }
 
-    const long long ld_o = (long long)n_head * FA_HD;
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-        float lt = l[hf];
-        lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-        lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-        const float inv = 1.0f / lt;
-        const int row = warp_row0 + 8 * hf + g;
-        if (row < n_rows) {
-            const int tok = row / G;
-            const long long at = (long long)tok * ld_o + (kvh * G + row - tok * G) * FA_HD + 2 * t;
-            if (o16) {
-#pragma unroll
-                for (int n = 0; n < 16; ++n)
-                    *(u32*)(o16 + at + 8 * n) = f32x2_to_f16x2(acc[4 * n + 2 * hf] * inv, acc[4 * n + 2 * hf + 1] * inv);
-            } else {
-#pragma unroll
-                for (int n = 0; n < 16; ++n)
-                    *(float2*)(o + at + 8 * n) = make_float2(acc[4 * n + 2 * hf] * inv, acc[4 * n + 2 * hf + 1] * inv);
-            }
-        }
-    }
+    for (int hf = 0; hf < 2; ++hf)
+        fa_store_row(o, o16, it, n_head, warp_row0 + 8 * hf + g, t, l[hf],
+                     [&](int n, int e) { return acc[4 * n + 2 * hf + e]; });
 }
