@@ -27,8 +27,8 @@ import numpy as np
 
 from ...errors import MinferError
 from .f16 import cast_f16
-from .launch import (NULL, DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, check_rows, cp, kernel,
-                     or_null, out_array, pos_args, pos_value, scratch_view)
+from .launch import (NULL, DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, check_rows, cp, device_cc,
+                     kernel, or_null, out_array, pos_args, pos_value, scratch_view)
 from .nvrtc import ARCH_SPECIFIC, K
 
 FA_HD = K["FA_HD"]
@@ -96,14 +96,7 @@ def flash_kind(wgmma: bool = True) -> str:
     """Which prefill flash kernel runs on the current device: "wgmma"
     (flash_attn_sm90.cu) when asked for and the GPU is the one its target is
     for, else "mma" (flash_attn.cu, any GPU with f16 tensor cores)."""
-    return "wgmma" if wgmma and _device_cc(cp.cuda.Device().id) == ARCH_SPECIFIC["flash_attn_sm90.cu"][1] \
-        else "mma"
-
-
-@functools.lru_cache(maxsize=None)
-def _device_cc(device_id: int) -> tuple[int, int]:
-    cc = cp.cuda.Device(device_id).compute_capability          # e.g. "90"
-    return int(cc[:-1]), int(cc[-1])
+    return "wgmma" if wgmma and device_cc() == ARCH_SPECIFIC["flash_attn_sm90.cu"][1] else "mma"
 
 
 def flash_attention(q16, k_cache, v_cache, pos0: int, out=None, wgmma: bool = True):

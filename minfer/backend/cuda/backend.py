@@ -24,7 +24,7 @@ from .decode import DecodeRunner
 from .gemm import Gemms
 from .graphs import GraphRunner
 from .int8 import dequant_rows
-from .launch import cp, is_oom, pos_value, require_cupy
+from .launch import cp, device_cc, is_oom, pos_value, require_cupy
 from .settings import CudaSettings
 from .weights import WeightStore, expected_plane_bytes, plane_check
 
@@ -98,7 +98,7 @@ class CUDABackend(Backend):
         self.store = WeightStore(self._settings)
         self.gemm = Gemms(self.store, self._settings)
         # programmatic dependent launches exist from compute capability 9.0 (Hopper) on
-        hopper = int(cp.cuda.Device().compute_capability) >= 90
+        hopper = device_cc() >= (9, 0)
         self.graphs = GraphRunner(self.gemm.counters, self._graph_keep_alive,
                                   lambda: hopper and self._settings.dependent_launches)
         self.decoder = DecodeRunner(self.graphs, lambda: self._settings.graphs and not self.graphs.failed)

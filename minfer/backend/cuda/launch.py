@@ -152,6 +152,17 @@ def launch_grid_stride(filename: str, name: str, n: int, args: tuple) -> None:
                                args + (np.int64(n),))
 
 
+def device_cc() -> tuple[int, int]:
+    """The current device's compute capability, e.g. (9, 0)."""
+    return _device_cc(cp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_cc(device_id: int) -> tuple[int, int]:
+    cc = cp.cuda.Device(device_id).compute_capability          # e.g. "90"
+    return int(cc[:-1]), int(cc[-1])
+
+
 def is_oom(e: BaseException) -> bool:
     """Is e the device running out of memory (cupy's pool or a CUDA runtime call)?"""
     if cp is None:
