@@ -205,24 +205,26 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
 // Gemms.ffn_f16) keeps its (T, d_ff) intermediates in f16, the precision the down
 // GEMM reads. gate's and up's rows are ld4 quads apart (the column blocks of one
 // GEMM's output over the concatenated gate/up weights: ld4 = 2 cols4; packed:
-// ld4 = cols4). 4 elements per thread (8-byte loads and stores), cols % 4 == 0.
+// ld4 = cols4). 4 elements per thread (8-byte loads and stores), cols % 4 == 0;
+// grid x over a row's quads, grid y over the rows (r = blockIdx.y, + gridDim.y, ...),
+// so no thread divides to find its row.
 extern "C" __global__ void
 swiglu_f16(const uint2* __restrict__ gate, const uint2* __restrict__ up,
-           uint2* __restrict__ y, long long cols4, long long ld4, long long n4) {
+           uint2* __restrict__ y, int cols4, long long ld4, int rows) {
     GRID_DEPENDENCY();
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
-         i += (long long)gridDim.x * blockDim.x) {
-        const long long at = ld4 == cols4 ? i : i / cols4 * ld4 + i % cols4;
-        const uint2 g = gate[at], u = up[at];
-        float r[4];
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols4) return;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        const uint2 g = gate[r * ld4 + c], u = up[r * ld4 + c];
+        float v[4];
         const u32 gw[2] = {g.x, g.y}, uw[2] = {u.x, u.y};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const float gf = f16_to_f32((gw[k >> 1] >> (16 * (k & 1))) & 0xFFFF);
             const float uf = f16_to_f32((uw[k >> 1] >> (16 * (k & 1))) & 0xFFFF);
-            r[k] = gf / (1.0f + expf(-gf)) * uf;
+            v[k] = silu_mul(gf, uf);
         }
-        y[i] = make_uint2(f32x2_to_f16x2(r[0], r[1]), f32x2_to_f16x2(r[2], r[3]));
+        y[(long long)r * cols4 + c] = make_uint2(f32x2_to_f16x2(v[0], v[1]), f32x2_to_f16x2(v[2], v[3]));
     }
 }
 

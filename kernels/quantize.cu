@@ -27,7 +27,5 @@ swiglu_q8_1(const float* __restrict__ gate, const float* __restrict__ up, i8* __
     const long long b = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (b >= n_blocks) return;
     const int lane = threadIdx.x % 32;
-    const float g = gate[b * QK8_1 + lane];
-    // ggml_vec_swiglu_f32; expf, not __expf
-    q8_1_block(g / (1.0f + expf(-g)) * up[b * QK8_1 + lane], lane, q + b * QK8_1, d + b, s + b);
+    q8_1_block(silu_mul(gate[b * QK8_1 + lane], up[b * QK8_1 + lane]), lane, q + b * QK8_1, d + b, s + b);
 }

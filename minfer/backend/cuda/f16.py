@@ -23,7 +23,7 @@ from ...errors import MinferError
 from . import dependent
 from .cublas import gemm_f16
 from .int8 import Q32_TYPES, q32_kernel, q32_row_bytes
-from .launch import blocks_1d, check, check_rows, cp, kernel, launch_grid_stride, scratch_view
+from .launch import MAX_GRID_Y, blocks_1d, check, check_rows, cp, kernel, launch_grid_stride, scratch_view
 from .nvrtc import K
 
 QK_K = K["QK_K"]
@@ -119,9 +119,10 @@ def swiglu_f16(gate, up, out=None):
             raise ValueError(f"swiglu_f16 {what}: device pointer {a.data.ptr:#x} is not 8-byte aligned")
     y = check(scratch_view(out, gate.shape, "swiglu_f16 out", cp.float16), "swiglu_f16 out",
               cp.float16, align16=True)
-    cols4 = gate.shape[1] // 4
-    launch_grid_stride("dequant_f16.cu", "swiglu_f16", gate.shape[0] * cols4,
-                       (gate, up, y, np.int64(cols4), np.int64(ld // 4)))
+    rows, cols4 = gate.shape[0], gate.shape[1] // 4
+    if rows and cols4:
+        kernel("dequant_f16.cu", "swiglu_f16")((blocks_1d(cols4), min(rows, MAX_GRID_Y)), (K["THREADS_1D"],),
+                                               (gate, up, y, np.int32(cols4), np.int64(ld // 4), np.int32(rows)))
     return y
 
 

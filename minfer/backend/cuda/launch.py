@@ -26,6 +26,7 @@ else:
 
 THREADS_1D = nvrtc.K["THREADS_1D"]
 MAX_GRID_1D = 65535          # grid-stride kernels: enough blocks to fill the GPU, no more
+MAX_GRID_Y = 65535           # the grid's y dimension (CUDA's limit): kernels walk rows past it
 NULL = np.uint64(0)          # a nullptr kernel argument
 
 
