@@ -44,13 +44,6 @@ store_kv_f16(const float4* __restrict__ k, const float4* __restrict__ v, uint2* 
 }
 
 // RoPE and the KV store in one launch (rope.cu's rotation, store_kv_f16's rounding):
-// element e of a head's row, plus its bias when there is one (b: (heads, hd) flat,
-// the projection's bias): the f32 sum the projection's own bias add would round
-__device__ __forceinline__ float with_bias(const float* __restrict__ x, size_t at,
-                                           const float* __restrict__ b, int e) {
-    return b ? x[at] + b[e] : x[at];
-}
-
 // q (T, n_head, hd) [+ bq] -> rotated into qo (f32) or qo16 (f16, the flash
 // attention's operand, (T, n_head, hd) packed); k (T, n_kv, hd) [+ bk] rotated and
 // v [+ bv] -> rows p..p+T-1 of one layer's f16 caches kc, vc (n_ctx, n_kv, hd).
@@ -58,8 +51,44 @@ __device__ __forceinline__ float with_bias(const float* __restrict__ x, size_t a
 // of one GEMM's output over the concatenated q/k/v weights. The biases (nullable)
 // are the q/k/v projections' own, added here instead of after the GEMMs: the same
 // f32 sums. cos_sin (n_pos, hd/2, 2) as in rope.cu; NeoX halves or adjacent pairs.
-// One thread per pair of one head of q or k (the k threads also store v's two
-// elements): T * (n_head + n_kv) * hd/2 threads.
+// One thread per four consecutive pairs i0..i0+3 of one head of q or k (the k
+// threads also store v's eight elements): T * (n_head + n_kv) * hd/8 threads,
+// hd % 8 == 0. Four pairs are two 16-byte loads of x (NeoX: dims i0.. and
+// hd/2 + i0..; adjacent pairs: dims 2 i0..2 i0+7) and two of the table, and 8- or
+// 16-byte stores (a thread per pair made 4-byte loads and 2-byte stores).
+__device__ __forceinline__ float4 ld4(const float* p) { return *(const float4*)p; }
+
+// the four pairs' elements (a[k], b[k]) at x + at, plus the bias at b + e (nullable)
+__device__ __forceinline__ void rope_quad_load(const float* __restrict__ x, size_t at,
+                                               const float* __restrict__ bias, int e, int half,
+                                               bool neox, float (&a)[4], float (&b)[4]) {
+    float4 u = ld4(x + at), w = ld4(x + at + (neox ? half : 4));
+    if (bias) {
+        const float4 bu = ld4(bias + e), bw = ld4(bias + e + (neox ? half : 4));
+        u = make_float4(u.x + bu.x, u.y + bu.y, u.z + bu.z, u.w + bu.w);
+        w = make_float4(w.x + bw.x, w.y + bw.y, w.z + bw.z, w.w + bw.w);
+    }
+    if (neox) {
+        a[0] = u.x; a[1] = u.y; a[2] = u.z; a[3] = u.w;
+        b[0] = w.x; b[1] = w.y; b[2] = w.z; b[3] = w.w;
+    } else {
+        a[0] = u.x; b[0] = u.y; a[1] = u.z; b[1] = u.w;
+        a[2] = w.x; b[2] = w.y; a[3] = w.z; b[3] = w.w;
+    }
+}
+
+// the four pairs' values rounded to f16 at dst (the layout rope_quad_load read)
+__device__ __forceinline__ void rope_quad_store16(u16* __restrict__ dst, int half, bool neox,
+                                                  const float (&a)[4], const float (&b)[4]) {
+    if (neox) {
+        *(uint2*)dst = make_uint2(f32x2_to_f16x2(a[0], a[1]), f32x2_to_f16x2(a[2], a[3]));
+        *(uint2*)(dst + half) = make_uint2(f32x2_to_f16x2(b[0], b[1]), f32x2_to_f16x2(b[2], b[3]));
+    } else {
+        *(uint4*)dst = make_uint4(f32x2_to_f16x2(a[0], b[0]), f32x2_to_f16x2(a[1], b[1]),
+                                  f32x2_to_f16x2(a[2], b[2]), f32x2_to_f16x2(a[3], b[3]));
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, u16* __restrict__ qo16,
                   const float* __restrict__ k, const float* __restrict__ v,
@@ -68,37 +97,38 @@ rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, u16* __re
                   const float* __restrict__ cos_sin, int T, int n_head, int n_kv, int hd,
                   long long ldq, long long ldkv, int pos0, const int* __restrict__ pos_dev, int neox) {
     GRID_DEPENDENCY();
-    const int half = hd / 2, heads = n_head + n_kv;
+    const int half = hd / 2, quads = hd / 8, heads = n_head + n_kv;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (g >= (long long)T * heads * half) return;
-    const int i = (int)(g % half), hh = (int)(g / half % heads), t = (int)(g / half / heads);
-    const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+    if (g >= (long long)T * heads * quads) return;
+    const int i0 = 4 * (int)(g % quads), hh = (int)(g / quads % heads), t = (int)(g / quads / heads);
     const int p = (pos_dev ? *pos_dev : pos0) + t;
-    const float* cs = cos_sin + ((size_t)p * half + i) * 2;
-    float ya, yb;
-    if (hh < n_head) {
-        const size_t base = ((size_t)t * n_head + hh) * hd;      // in qo / qo16
-        const int e = hh * hd;
-        const size_t src = (size_t)t * ldq + e;
-        rope_rotate(with_bias(q, src + ia, bq, e + ia), with_bias(q, src + ib, bq, e + ib),
-                    cs[0], cs[1], &ya, &yb);
+    const float4 c01 = ld4(cos_sin + ((size_t)p * half + i0) * 2), c23 = ld4(cos_sin + ((size_t)p * half + i0) * 2 + 4);
+    const float cs[4] = {c01.x, c01.z, c23.x, c23.z}, sn[4] = {c01.y, c01.w, c23.y, c23.w};
+    const int off = neox ? i0 : 2 * i0;                           // the first element's dim
+    const bool is_q = hh < n_head;
+    const int e = (is_q ? hh : hh - n_head) * hd + off;
+    const size_t src = (size_t)t * (is_q ? ldq : ldkv) + e;
+    float a[4], b[4], ya[4], yb[4];
+    rope_quad_load(is_q ? q : k, src, is_q ? bq : bk, e, half, neox, a, b);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) rope_rotate(a[j], b[j], cs[j], sn[j], &ya[j], &yb[j]);
+    if (is_q) {
+        const size_t base = ((size_t)t * n_head + hh) * hd + off;   // in qo / qo16
         if (qo16) {
-            qo16[base + ia] = (u16)f16_bits_rn(ya);
-            qo16[base + ib] = (u16)f16_bits_rn(yb);
+            rope_quad_store16(qo16 + base, half, neox, ya, yb);
+        } else if (neox) {
+            *(float4*)(qo + base) = make_float4(ya[0], ya[1], ya[2], ya[3]);
+            *(float4*)(qo + base + half) = make_float4(yb[0], yb[1], yb[2], yb[3]);
         } else {
-            qo[base + ia] = ya;
-            qo[base + ib] = yb;
+            *(float4*)(qo + base) = make_float4(ya[0], yb[0], ya[1], yb[1]);
+            *(float4*)(qo + base + 4) = make_float4(ya[2], yb[2], ya[3], yb[3]);
         }
         return;
     }
-    const int kvh = hh - n_head, e = kvh * hd;
-    const size_t src = (size_t)t * ldkv + e, dst = ((size_t)p * n_kv + kvh) * hd;
-    rope_rotate(with_bias(k, src + ia, bk, e + ia), with_bias(k, src + ib, bk, e + ib),
-                cs[0], cs[1], &ya, &yb);
-    kc[dst + ia] = (u16)f16_bits_rn(ya);
-    kc[dst + ib] = (u16)f16_bits_rn(yb);
-    vc[dst + ia] = (u16)f16_bits_rn(with_bias(v, src + ia, bv, e + ia));
-    vc[dst + ib] = (u16)f16_bits_rn(with_bias(v, src + ib, bv, e + ib));
+    const size_t dst = ((size_t)p * n_kv + (hh - n_head)) * hd + off;
+    rope_quad_store16(kc + dst, half, neox, ya, yb);
+    rope_quad_load(v, src, bv, e, half, neox, a, b);
+    rope_quad_store16(vc + dst, half, neox, a, b);
 }
 
 // Lane l's four dims 4l..4l+3 of a head row (f32), rotated by RoPE at position p

@@ -227,7 +227,8 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
     wider (T, n) matrix (each token's heads packed, its rows further apart; k and v
     the same row stride). biases: the q/k/v projections' biases (n_head*hd,),
     (n_kv*hd,), (n_kv*hd,) or None, added first. The values of the bias adds,
-    ops.rope (q and k), store_kv_f16 and cast_f16, bit for bit, in one launch."""
+    ops.rope (q and k), store_kv_f16 and cast_f16, bit for bit, in one launch.
+    hd a multiple of 8 and every row 16-byte aligned (the kernel moves 16-byte vectors)."""
     if getattr(q, "ndim", 0) != 3:
         raise ValueError(f"rope_store_kv_f16 q: expected (T, n_head, hd), got {getattr(q, 'shape', q)}")
     T, n_head, hd = q.shape
@@ -238,8 +239,8 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
     ldkv = check_rows(k, "rope_store_kv_f16 k", cp.float32, (T, n_kv, hd))
     if check_rows(v, "rope_store_kv_f16 v", cp.float32, (T, n_kv, hd)) != ldkv:
         raise ValueError(f"rope_store_kv_f16: k and v rows of different strides ({k.strides}, {v.strides})")
-    check(cos_sin, "rope_store_kv_f16 cos_sin", cp.float32, ndim=3)
-    if hd % 2 or cos_sin.shape[1:] != (hd // 2, 2):
+    check(cos_sin, "rope_store_kv_f16 cos_sin", cp.float32, ndim=3, align16=True)
+    if hd % 8 or cos_sin.shape[1:] != (hd // 2, 2):
         raise ValueError(f"rope_store_kv_f16: table {cos_sin.shape} does not fit head dim {hd}")
     pos0 = pos_value(pos)
     if pos0 < 0 or pos0 + T > min(n_ctx, cos_sin.shape[0]):
@@ -249,7 +250,10 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
     for b, heads, nm in zip(biases, (n_head, n_kv, n_kv), "qkv"):
         if b is not None:
             check(b, f"rope_store_kv_f16 bias {nm}", cp.float32, (heads * hd,))
-    n = T * (n_head + n_kv) * (hd // 2)
+    for a, nm in ((q, "q"), (k, "k"), (v, "v"), (q_out, "q_out"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if a.data.ptr % 16 or (a.ndim == 3 and a.strides[0] % 16):
+            raise ValueError(f"rope_store_kv_f16 {nm}: rows not 16-byte aligned (16-byte vectors)")
+    n = T * (n_head + n_kv) * (hd // 8)                # a thread per four pairs
     if n:
         kernel("decode_attn.cu", "rope_store_kv_f16")(
             (blocks_1d(n),), (THREADS_1D,),
