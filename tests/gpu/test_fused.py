@@ -227,7 +227,7 @@ def test_decode_attention_q8_output_equals_attention_then_quantize(cp, pos, n_ct
         attention.decode_attention(q, kc, vc, pos, out=cp.empty((1, n_head * hd), cp.float32), q8=got)
 
 
-@pytest.mark.parametrize("T,K", [(2, 96), (5, 1536), (3, 3584), (2, 8960)])
+@pytest.mark.parametrize("T,K", [(2, 96), (5, 1536), (4, 999), (3, 3584), (2, 8960), (3, 5000)])
 def test_rmsnorm_f16_equals_norm_then_cast(cp, T, K):
     from minfer.backend.cuda import f16, ops
     rng = np.random.default_rng([T, K, 16])

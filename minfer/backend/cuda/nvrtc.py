@@ -45,6 +45,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
     # rmsnorm (norm.cu): one block per row; a decode step's norms are one row, whose
     # time is the latency of the per-thread loops: 1024 threads make them short
     "NORM_THREADS": 1024,
+    # rmsnorm_f16 (a prompt's rows, the f16 GEMMs' operand): a quarter of the threads,
+    # each standing in for NORM_THREADS / NORM_F16_THREADS of the others' layout
+    "NORM_F16_THREADS": 256,
     # f32 attention (attention.cu): ATT_BQ query rows per block, keys in tiles of ATT_BK
     "ATT_BQ": 16,
     "ATT_BK": 32,

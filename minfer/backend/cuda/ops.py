@@ -32,7 +32,7 @@ def rmsnorm(x, w, eps: float, out=None, dtype=None):
     y = out_array(out, (T, d), "rmsnorm out", cp.float16 if half else None)    # (T, d)
     if T:
         kernel("norm.cu", "rmsnorm_f16" if half else "rmsnorm_f32")(
-            (T,), (K["NORM_THREADS"],), (x, w, y, np.int32(d), np.float32(eps)))
+            (T,), (K["NORM_F16_THREADS" if half else "NORM_THREADS"],), (x, w, y, np.int32(d), np.float32(eps)))
     return y
 
 
