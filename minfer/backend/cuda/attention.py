@@ -233,9 +233,9 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
         raise ValueError(f"rope_store_kv_f16 q: expected (T, n_head, hd), got {getattr(q, 'shape', q)}")
     T, n_head, hd = q.shape
     ldq = check_rows(q, "rope_store_kv_f16 q", cp.float32, q.shape)
-    check(k_cache, "rope_store_kv_f16 k_cache", cp.float16, ndim=3)
+    check(k_cache, "rope_store_kv_f16 k_cache", cp.float16, ndim=3, align16=True)
     n_ctx, n_kv, _ = k_cache.shape
-    check(v_cache, "rope_store_kv_f16 v_cache", cp.float16, (n_ctx, n_kv, hd))
+    check(v_cache, "rope_store_kv_f16 v_cache", cp.float16, (n_ctx, n_kv, hd), align16=True)
     ldkv = check_rows(k, "rope_store_kv_f16 k", cp.float32, (T, n_kv, hd))
     if check_rows(v, "rope_store_kv_f16 v", cp.float32, (T, n_kv, hd)) != ldkv:
         raise ValueError(f"rope_store_kv_f16: k and v rows of different strides ({k.strides}, {v.strides})")
@@ -246,12 +246,13 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
     if pos0 < 0 or pos0 + T > min(n_ctx, cos_sin.shape[0]):
         raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {n_ctx}")
     half = q_out is not None and q_out.dtype == cp.float16
-    q_out = out_array(q_out, q.shape, "rope_store_kv_f16 q_out", cp.float16 if half else None)
+    q_out = out_array(q_out, q.shape, "rope_store_kv_f16 q_out", cp.float16 if half else None,
+                      align16=True)
     for b, heads, nm in zip(biases, (n_head, n_kv, n_kv), "qkv"):
         if b is not None:
-            check(b, f"rope_store_kv_f16 bias {nm}", cp.float32, (heads * hd,))
-    for a, nm in ((q, "q"), (k, "k"), (v, "v"), (q_out, "q_out"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        if a.data.ptr % 16 or (a.ndim == 3 and a.strides[0] % 16):
+            check(b, f"rope_store_kv_f16 bias {nm}", cp.float32, (heads * hd,), align16=True)
+    for a, ld, nm in ((q, ldq, "q"), (k, ldkv, "k"), (v, ldkv, "v")):    # rows of any stride
+        if a.data.ptr % 16 or ld % 4:
             raise ValueError(f"rope_store_kv_f16 {nm}: rows not 16-byte aligned (16-byte vectors)")
     n = T * (n_head + n_kv) * (hd // 8)                # a thread per four pairs
     if n:
