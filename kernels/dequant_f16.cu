@@ -30,13 +30,13 @@ __device__ __forceinline__ void store8_f16(u16* dst, const float v[8]) {
                               f32x2_to_f16x2(v[4], v[5]), f32x2_to_f16x2(v[6], v[7]));
 }
 
-// Thread layout shared by the three kernels: one thread per 16 outputs, 16 threads
+// Thread layout shared by the three types: one thread per 16 outputs, 16 threads
 // per super-block b. Thread c (0..15) writes the 8-element chunks c and c + 16, i.e.
 // elements 8c..8c+7 and 128+8c..128+8c+7 of the super-block: in each of its two
 // 16-byte stores the lanes of a warp cover 2 x 256 contiguous bytes (full sectors),
 // and the two chunks share their scale lookups' structure (below).
 
-// Each kernel takes `early`: set by the launch (f16.dequant_f16) when it is a
+// The kernel takes `early`: set by the launch (f16.dequant_f16_many) when it is a
 // programmatic dependent of a kernel of ours, which has waited for everything before
 // it before letting this one start. Then everything that read the weight scratch
 // (the GEMM before) has completed, and this kernel, which reads only the quantized
@@ -85,15 +85,6 @@ __device__ __forceinline__ void q4k_group_f16(const u8* __restrict__ w, u16* __r
     store8_f16(dst + 128, vb);
 }
 
-// w: (n_out, n_in/256*144) u8, y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
-extern "C" __global__ void __launch_bounds__(THREADS_1D)
-dequant_q4k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp, int early) {
-    if (!early) GRID_DEPENDENCY();
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n_grp) q4k_group_f16(w, y, i);
-    if (early) GRID_DEPENDENCY();
-}
-
 // q6_K element e (0..255) of a super-block (ggml dequantize_row_q6_K):
 //   half n = e/128, c4 = (e%128)/32, l = e%32
 //   q = (ql[64n + 32*(c4&1) + l] >> 4*(c4>>1)) & 0xF | ((qh[32n + l] >> 2*c4) & 3) << 4
@@ -133,15 +124,6 @@ __device__ __forceinline__ void q6k_group_f16(const u8* __restrict__ w, u16* __r
     store8_f16(dst + 128, vb);
 }
 
-// w: (n_out, n_in/256*224) u8, y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
-extern "C" __global__ void __launch_bounds__(THREADS_1D)
-dequant_q6k_f16(const u8* __restrict__ w, u16* __restrict__ y, long long n_grp, int early) {
-    if (!early) GRID_DEPENDENCY();
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n_grp) q6k_group_f16(w, y, i);
-    if (early) GRID_DEPENDENCY();
-}
-
 // q6_K from the W_exp plane (dense centered int8 (ql|qh<<4)-32, row
 // stride n_in, super-block stride 256) with d and the scales from the padded
 // blocks -> f16. Flattened, plane element b*256 + e is super-block b's element e.
@@ -170,14 +152,32 @@ __device__ __forceinline__ void q6k_exp_group_f16(const u8* __restrict__ w, cons
     store8_f16(dst + 128, vb);
 }
 
-// w: padded (n_out, n_in/256*224) u8, wexp: (n_out, n_in) i8,
-// y: (n_out, n_in) f16 bits, n_grp = n_out*n_in/16
+// Up to DQ_SEGMENTS weights in one launch (a layer's q/k/v or gate/up, dequantized
+// side by side into the grouped GEMM's scratch: one launch instead of one a weight).
+// Segment s: its type (DQ_Q4K: w as stored; DQ_Q6K: w padded; DQ_Q6K_EXP: w padded
+// for d and the scales, e its W_exp plane), y its f16 output, n its thread count
+// (n_out*n_in/16), and its blocks from first[s] (first[0] = 0; an absent segment
+// has first past the grid). A block lies in one segment, so the type is uniform in it.
+#define DQ_SEG_ARGS(s) const u8* __restrict__ w##s, const i8* __restrict__ e##s, \
+                       u16* __restrict__ y##s, long long n##s, int t##s
+static_assert(DQ_SEGMENTS == 3, "the kernel spells out three segments");
+
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
-dequant_q6k_exp_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
-                    u16* __restrict__ y, long long n_grp, int early) {
+dequant_f16_segments(DQ_SEG_ARGS(0), DQ_SEG_ARGS(1), DQ_SEG_ARGS(2), int first1, int first2,
+                     int early) {
     if (!early) GRID_DEPENDENCY();
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n_grp) q6k_exp_group_f16(w, wexp, y, i);
+    const int b = blockIdx.x, s = b >= first2 ? 2 : b >= first1 ? 1 : 0;
+    const u8* w = s == 2 ? w2 : s == 1 ? w1 : w0;
+    const i8* e = s == 2 ? e2 : s == 1 ? e1 : e0;
+    u16* y = s == 2 ? y2 : s == 1 ? y1 : y0;
+    const long long n = s == 2 ? n2 : s == 1 ? n1 : n0;
+    const int type = s == 2 ? t2 : s == 1 ? t1 : t0;
+    const long long i = (long long)(b - (s == 2 ? first2 : s == 1 ? first1 : 0)) * blockDim.x + threadIdx.x;
+    if (i < n) {
+        if (type == DQ_Q4K) q4k_group_f16(w, y, i);
+        else if (type == DQ_Q6K) q6k_group_f16(w, y, i);
+        else q6k_exp_group_f16(w, e, y, i);
+    }
     if (early) GRID_DEPENDENCY();
 }
 

@@ -133,6 +133,50 @@ def test_dequant_q6k_from_wexp_reads_the_plane():
     assert not np.array_equal(w16_wiped.get().view(np.uint16), want.view(np.uint16))
 
 
+def test_dequant_many_side_by_side_in_one_scratch(monkeypatch):
+    """Several weights of mixed types (q4_K, q6_K padded, q6_K through its plane, a
+    group type) dequantized side by side into one poisoned scratch: each equals
+    gguf's values, nothing is written between or past them, and the k-quant ones
+    went up to three a launch (the group type on its own)."""
+    import cupy as cp
+    from minfer.backend.cuda import f16
+    from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
+
+    rng = np.random.default_rng(21)
+    specs = [(QT.Q4_K, 37, 768), (QT.Q6_K, 29, 512), ("exp", 45, 1024), (QT.Q4_0, 3, 96),
+             (QT.Q4_K, 1, 256), (QT.Q6_K, 133, 256)]
+    gap = 8                                                              # poisoned halves between
+    total = sum(n * k + gap for _, n, k in specs)
+    scratch = _nan16(cp, total + 64)
+    items, wants, at = [], [], 0
+    for kind, n_out, n_in in specs:
+        if kind == QT.Q4_K:
+            raw = _random_q4k(rng, n_out, n_in)
+            want, dev, qt, plane = gq.dequantize(raw, QT.Q4_K), raw, QT.Q4_K, None
+        elif kind == QT.Q4_0:
+            raw = rng.integers(0, 256, (n_out, n_in // 32, 18), dtype=np.uint8)
+            raw[:, :, 0:2] = _f16(rng, (n_out, n_in // 32), 1e-3, 1e-1)[..., None].view(np.uint8)
+            raw = raw.reshape(n_out, -1)
+            want, dev, qt, plane = gq.dequantize(raw, QT.Q4_0), raw, QT.Q4_0, None
+        else:
+            raw = _random_q6k(rng, n_out, n_in)
+            want, dev, qt = gq.dequantize(raw, QT.Q6_K), pad_q6k(raw), QT.Q6_K
+            plane = cp.asarray(expand_q6k_dense(dev, n_out, n_in)) if kind == "exp" else None
+        items.append((cp.asarray(dev).reshape(-1), qt, n_out, n_in, scratch[at:at + n_out * n_in], plane))
+        wants.append((at, want.astype(np.float16)))
+        at += n_out * n_in + gap
+    launches, real = [], f16._launch_segments
+    monkeypatch.setattr(f16, "_launch_segments", lambda segs: (launches.append(len(segs)), real(segs)))
+    w16s = f16.dequant_f16_many(items)
+    assert launches == [3, 2]
+    host = scratch.get()
+    for (at, want), w16, (_, _, n_out, n_in, _, _) in zip(wants, w16s, items):
+        assert w16.shape == (n_out, n_in)
+        _assert_bits_equal(w16.get(), want)
+        assert np.isnan(host[at + n_out * n_in:at + n_out * n_in + gap]).all()
+    assert np.isnan(host[at:]).all()
+
+
 def test_dequant_rejects_bad_input():
     import cupy as cp
     from minfer.errors import MinferError

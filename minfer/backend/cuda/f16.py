@@ -2,6 +2,7 @@
 
     dequant_f16      kernels/dequant_f16.cu  q4_K (144-byte blocks), q6_K padded, or q6_K
                                              through its W_exp plane -> W16 (n_out, n_in) f16
+    dequant_f16_many                         the same for several weights, up to three a launch
     cast_f16         kernels/dequant_f16.cu  f32 -> f16 (round to nearest even), 4 per thread
     swiglu_f16       kernels/dequant_f16.cu  silu(gate) * up on f16, computed in f32
     linear_f16_from  dequant_f16 + gemm_w16: xh f16 (T, n_in) @ W^T
@@ -23,15 +24,17 @@ from ...errors import MinferError
 from . import dependent
 from .cublas import gemm_f16
 from .int8 import Q32_TYPES, q32_kernel, q32_row_bytes
-from .launch import MAX_GRID_Y, blocks_1d, check, check_rows, cp, kernel, launch_grid_stride, scratch_view
+from .launch import (MAX_GRID_Y, NULL, blocks_1d, check, check_rows, cp, kernel, launch_grid_stride,
+                     or_null, scratch_view)
 from .nvrtc import K
 
 QK_K = K["QK_K"]
 _PER_THREAD = 16                 # outputs per thread of the dequant kernels
+MAX_SEGMENTS = K["DQ_SEGMENTS"]  # weights per dequant_f16_segments launch
 
-# qtype -> (kernel, device bytes per 256-element super-block)
-_DEQ = {QT.Q4_K: ("dequant_q4k_f16", K["Q4K_BYTES"]),       # blocks as stored
-        QT.Q6_K: ("dequant_q6k_f16", K["Q6K_PADDED"])}      # padded 224-byte stride
+# qtype -> (segment type, device bytes per 256-element super-block)
+_DEQ = {QT.Q4_K: (K["DQ_Q4K"], K["Q4K_BYTES"]),        # blocks as stored
+        QT.Q6_K: (K["DQ_Q6K"], K["Q6K_PADDED"])}       # padded 224-byte stride
 F16_QTYPES = frozenset(_DEQ) | frozenset(Q32_TYPES)   # (Q32: quants32.cu, one thread per group)
 
 
@@ -43,34 +46,67 @@ def dequant_f16(raw, qtype, n_out: int, n_in: int, out=None, w_exp=None):
     (the scales and d still come from the padded blocks). out: f16 scratch with
     >= n_out*n_in elements.
     """
-    qtype = QT(qtype)
-    if qtype not in F16_QTYPES:
-        raise MinferError(f"no f16 dequantizer for {qtype.name} (have: "
-                          f"{', '.join(t.name for t in F16_QTYPES)})")
-    if qtype in Q32_TYPES:
-        return _dequant32_f16(raw, qtype, n_out, n_in, out)
+    return dequant_f16_many([(raw, qtype, n_out, n_in, out, w_exp)])[0]
+
+
+def dequant_f16_many(weights) -> list:
+    """dequant_f16 for each (raw, qtype, n_out, n_in, out, w_exp) of `weights` ->
+    their W16 arrays; runs of up to MAX_SEGMENTS k-quant weights share a launch
+    (the same per-element work as one launch each)."""
+    w16s, run = [], []
+    for raw, qtype, n_out, n_in, out, w_exp in weights:
+        qtype = QT(qtype)
+        if qtype not in F16_QTYPES:
+            raise MinferError(f"no f16 dequantizer for {qtype.name} (have: "
+                              f"{', '.join(t.name for t in F16_QTYPES)})")
+        if qtype in Q32_TYPES:
+            w16s.append(_dequant32_f16(raw, qtype, n_out, n_in, out))
+            continue
+        seg = _segment(raw, qtype, n_out, n_in, out, w_exp)
+        w16s.append(seg[2])
+        run.append(seg)
+        if len(run) == MAX_SEGMENTS:
+            _launch_segments(run)
+            run = []
+    if run:
+        _launch_segments(run)
+    return w16s
+
+
+def _segment(raw, qtype: QT, n_out: int, n_in: int, out, w_exp) -> tuple:
+    """One k-quant weight's checked arguments -> (w, plane, W16, threads, type)."""
     if n_out <= 0 or n_in <= 0 or n_in % QK_K:
         raise ValueError(f"dequant_f16 {qtype.name}: shape ({n_out}, {n_in}) needs n_in a positive "
                          f"multiple of {QK_K}")
-    name, block_bytes = _DEQ[qtype]
+    seg_type, block_bytes = _DEQ[qtype]
     check(raw, f"dequant_f16 {qtype.name} raw", cp.uint8,
           size=n_out * (n_in // QK_K) * block_bytes, align16=True)
     w16 = scratch_view(out, (n_out, n_in), "dequant_f16 out", cp.float16)          # (n_out, n_in)
     check(w16, "dequant_f16 out", cp.float16, align16=True)
-    n_threads = n_out * n_in // _PER_THREAD
-    # work before the wait where that is safe (dependent.early, dequant_f16.cu): the
-    # scratch is written while the kernel before still finishes
-    early = dependent.early()
-    dependent.STATE.early_dequants += early
-    tail = (np.int64(n_threads), np.int32(early))
-    args = (raw, w16, *tail)
     if w_exp is not None:
         if qtype != QT.Q6_K:
             raise ValueError(f"dequant_f16: a W_exp plane belongs to q6_K, not {qtype.name}")
         check(w_exp, "dequant_f16 q6_K W_exp", cp.int8, size=n_out * n_in, align16=True)
-        name, args = "dequant_q6k_exp_f16", (raw, w_exp, w16, *tail)
-    kernel("dequant_f16.cu", name)((blocks_1d(n_threads),), (K["THREADS_1D"],), args)
-    return w16
+        seg_type = K["DQ_Q6K_EXP"]
+    return raw, or_null(w_exp), w16, n_out * n_in // _PER_THREAD, seg_type
+
+
+def _launch_segments(segs) -> None:
+    """One dequant_f16_segments launch over 1..MAX_SEGMENTS segments (_segment's)."""
+    args, firsts, blocks = [], [], 0
+    for raw, plane, w16, n_threads, seg_type in segs:
+        firsts.append(blocks)
+        blocks += blocks_1d(n_threads)
+        args += [raw, plane, w16, np.int64(n_threads), np.int32(seg_type)]
+    for _ in range(MAX_SEGMENTS - len(segs)):          # absent: no block reaches them
+        firsts.append(blocks)
+        args += [NULL, NULL, NULL, np.int64(0), np.int32(0)]
+    # work before the wait where that is safe (dependent.early, dequant_f16.cu): the
+    # scratch is written while the kernel before still finishes
+    early = dependent.early()
+    dependent.STATE.early_dequants += early
+    kernel("dequant_f16.cu", "dequant_f16_segments")(
+        (blocks,), (K["THREADS_1D"],), (*args, *(np.int32(f) for f in firsts[1:]), np.int32(early)))
 
 
 def _dequant32_f16(raw, qtype, n_out: int, n_in: int, out=None):

@@ -222,10 +222,11 @@ class Gemms:
         is the same dot product as alone (the GEMM's kernels sum over K in one order;
         tests/gpu/test_fused.py)."""
         T, n_in = xh.shape
-        w16, at = self._w16(sum(w.n_out * n_in for w in ws)), 0
+        w16, at, todo = self._w16(sum(w.n_out * n_in for w in ws)), 0, []
         for w in ws:
-            self._weight16(T, w, into=w16[at:at + w.n_out * n_in])
+            todo.append(self._dequant_args(T, w, w16[at:at + w.n_out * n_in]))
             at += w.n_out * n_in
+        f16.dequant_f16_many(todo)                 # side by side, one launch for up to three
         n_all = sum(w.n_out for w in ws)
         y = f16.gemm_w16(xh, w16[:at].reshape(n_all, n_in),
                          out=cp.empty((T, n_all), dtype or cp.float32))              # (T, n_all)
@@ -336,14 +337,19 @@ class Gemms:
         """W as an f16 GEMM operand, counted on its path for T rows: the f16 copy kept
         since load, else W dequantized (from its W_exp plane when the path reads it)
         into `into` (flat f16, default the weight scratch)."""
+        w16 = self.store.f16_of(w)
+        if w16 is not None:
+            self.counters.count(self.path(T, w))
+            return w16
+        return f16.dequant_f16(*self._dequant_args(T, w, self._w16() if into is None else into))
+
+    def _dequant_args(self, T: int, w: GpuWeight, into) -> tuple:
+        """f16.dequant_f16's arguments for W into `into`, from its W_exp plane when
+        its path for T rows reads one; counted on that path."""
         p = self.path(T, w)
         self.counters.count(p)
-        w16 = self.store.f16_of(w)
-        if w16 is None:
-            plane = self.store.plane_of(w) if p.reads_plane else None
-            w16 = f16.dequant_f16(w.data, w.qtype, w.n_out, w.n_in,
-                                  self._w16() if into is None else into, plane)
-        return w16
+        plane = self.store.plane_of(w) if p.reads_plane else None
+        return (w.data, w.qtype, w.n_out, w.n_in, into, plane)
 
     def q8_scratch(self, slot: int, T: int, n: int):
         """q8_1 buffers for x (T, n) in one of two slots (a decode step's FFN reads

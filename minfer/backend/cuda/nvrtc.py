@@ -27,6 +27,12 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "Q8_0_BYTES": GGML_QUANT_SIZES[QT.Q8_0][1],        # 34
     # one-dimensional kernels (element-wise, casts, dequantization, q8_1 quantization)
     "THREADS_1D": 256,
+    # f16 dequantization (dequant_f16.cu): up to DQ_SEGMENTS weights a launch, each of
+    # one type: q4_K as stored, q6_K padded, q6_K through its W_exp plane
+    "DQ_SEGMENTS": 3,
+    "DQ_Q4K": 0,
+    "DQ_Q6K": 1,
+    "DQ_Q6K_EXP": 2,
     # int8 MMQ GEMMs (mmq.cu): an MMQ_BM tokens x MMQ_BN rows output tile per CTA,
     # K walked in tiles of MMQ_KDR 32-element chunks through MMQ_NST smem stages
     "MMQ_BM": 64,
