@@ -170,11 +170,11 @@ def test_dequant_many_side_by_side_in_one_scratch(monkeypatch):
     w16s = f16.dequant_f16_many(items)
     assert launches == [3, 2]
     host = scratch.get()
-    for (at, want), w16, (_, _, n_out, n_in, _, _) in zip(wants, w16s, items):
+    for (start, want), w16, (_, _, n_out, n_in, _, _) in zip(wants, w16s, items):
         assert w16.shape == (n_out, n_in)
         _assert_bits_equal(w16.get(), want)
-        assert np.isnan(host[at + n_out * n_in:at + n_out * n_in + gap]).all()
-    assert np.isnan(host[at:]).all()
+        assert np.isnan(host[start + n_out * n_in:start + n_out * n_in + gap]).all()
+    assert np.isnan(host[at:]).all()                                   # past the last gap
 
 
 def test_dequant_rejects_bad_input():
