@@ -11,12 +11,10 @@ tokens). cuBLASLt shows the heuristic's ranked candidates, so the choice is ours
   per shape on the 7B, inside Engine.warmup's prefills);
 - eager work takes the heuristic's best candidate among the kernels loaded for
   its shape (a one-shot prompt pays a heuristic query, ~0.1 ms per shape, not
-  kernel loads); when none of them is loaded, the first choice of the nearest grid
-  length that cuBLASLt accepts for the problem (cublasLtMatmulAlgoCheck), and only
-  when there is none a kernel load; work recorded for replay (a CUDA graph's
-  capture and the warm run before it, `best_kernels()`) takes the heuristic's first
-  choice, whose load is paid once for all the replays (the preloaded alternative
-  runs up to ~5% slower, measured at 3,325 tokens).
+  kernel loads); work recorded for replay (a CUDA graph's capture and the warm
+  run before it, `best_kernels()`) takes the heuristic's first choice, whose
+  load is paid once for all the replays (the preloaded alternative runs up to
+  ~5% slower, measured at 3,325 tokens).
 
 Candidates that split K are left out (unless there is no other): every remaining
 kernel sums each output over K in the same order, so whichever runs gives the
@@ -100,8 +98,6 @@ def _library() -> ctypes.CDLL:
                                                    ctypes.POINTER(_Heuristic), ctypes.POINTER(i)]
     lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [ctypes.POINTER(_Algo), i, vp, sz,
                                                          ctypes.POINTER(sz)]
-    lib.cublasLtMatmulAlgoCheck.argtypes = [vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo),
-                                            ctypes.POINTER(_Heuristic)]
     lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
                                    ctypes.POINTER(_Algo), vp, sz, vp]
     return lib
@@ -155,10 +151,8 @@ class _Lt:
         # problem -> (the eager algorithm, the heuristic's first choice)
         self._plans: dict[tuple, tuple[_Algo, _Algo]] = {}
         self.preloaded: dict[tuple, set] = {}     # (N, K, C type) -> kernel keys loaded for it
-        # (N, K, C type) -> [(grid length, its first choice)]: the kernels loaded
-        self._loaded_algos: dict[tuple, list[tuple[int, _Algo]]] = {}
         self.stats = {"problems": 0, "first choice": 0, "preloaded alternative": 0,
-                      "preloaded off-list": 0, "not preloaded": 0, "preloaded kernels": 0}
+                      "not preloaded": 0, "preloaded kernels": 0}
 
     def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         key = (dtype, rows, cols, ld)
@@ -214,34 +208,11 @@ class _Lt:
             loaded = self._preload((N, K, c_type))
             cands = self.candidates(N, K, T, c_type, align)
             eager = next((c for c in cands if _kernel_key(c) in loaded), None)
-            kind = "not preloaded" if eager is None else "first choice" if eager is cands[0] \
-                else "preloaded alternative"
-            if eager is None and align == 256 and _config(cands[0], CONFIG_SPLITK_NUM) <= 1:
-                eager = self._loaded_fallback(N, K, T, c_type)
-                kind = "not preloaded" if eager is None else "preloaded off-list"
             self.stats["problems"] += 1
-            self.stats[kind] += 1
+            self.stats["not preloaded" if eager is None else "first choice" if eager is cands[0]
+                       else "preloaded alternative"] += 1
             plan = self._plans[key] = (cands[0] if eager is None else eager, cands[0])
         return plan[1] if best else plan[0]
-
-    def _loaded_fallback(self, N: int, K: int, T: int, c_type: int) -> _Algo | None:
-        """When none of the heuristic's candidates for T rows has its kernel loaded:
-        the first choice of the nearest grid length whose kernel cuBLASLt accepts for
-        T rows (cublasLtMatmulAlgoCheck) within our workspace, not splitting K (so the
-        bits of any other candidate); None if there is none. Loading a kernel costs
-        ~3-25 ms of a one-shot prompt; the check costs microseconds. Only for the
-        preload's 256-byte alignment (the check does not see the pointers), and only
-        where the first choice does not split K (else replay and eager would differ)."""
-        a, b, c = self._operands(N, K, T, c_type)
-        for _, algo in sorted(self._loaded_algos.get((N, K, c_type), ()), key=lambda g: abs(g[0] - T)):
-            if _config(algo, CONFIG_SPLITK_NUM) > 1:
-                continue
-            res = _Heuristic()
-            if (self.lib.cublasLtMatmulAlgoCheck(self.ptr, self.desc, a, b, c, c, ctypes.byref(algo),
-                                                 ctypes.byref(res)) == 0
-                    and res.workspace_size <= WORKSPACE_BYTES):
-                return algo
-        return None
 
     def _preload(self, shape: tuple[int, int, int]) -> set:
         """The kernel keys of the shape's first choices over preload_grid(), each new
@@ -254,9 +225,9 @@ class _Lt:
         if stream.is_capturing():
             raise RuntimeError(f"GEMM shape {shape} first seen inside a CUDA graph capture: "
                                f"its kernels would be preloaded into the graph")
-        firsts = [(T, self.candidates(N, K, T, c_type)[0]) for T in preload_grid()]
         todo = {}
-        for _, algo in firsts:
+        for T in preload_grid():
+            algo = self.candidates(N, K, T, c_type)[0]
             todo.setdefault(_kernel_key(algo), algo)
         t_run = 64
         w = cp.empty((N, K), cp.float16)            # contents unused: the GEMM only loads its kernel
@@ -266,7 +237,6 @@ class _Lt:
             self.matmul(x, w, out, _ZERO, algo, stream.ptr)
         stream.synchronize()
         self.preloaded[shape] = loaded = set(todo)
-        self._loaded_algos[shape] = firsts
         self.stats["preloaded kernels"] += len(loaded)
         return loaded
 
@@ -319,7 +289,6 @@ def best_kernels():
 def stats() -> dict[str, int]:
     """Problems (shape and prompt length) met so far and what eager work runs for
     each: the heuristic's first choice, preloaded; a preloaded alternative to it; a
-    preloaded kernel that is not among its candidates (another length's first
-    choice); a kernel not preloaded (loaded on first use); and the kernels
-    preloaded over all shapes."""
+    kernel not preloaded (loaded on first use); and the kernels preloaded over all
+    shapes."""
     return dict(_lt().stats)
