@@ -156,8 +156,9 @@ __device__ __forceinline__ void q6k_exp_group_f16(const u8* __restrict__ w, cons
 // side by side into the grouped GEMM's scratch: one launch instead of one a weight).
 // Segment s: its type (DQ_Q4K: w as stored; DQ_Q6K: w padded; DQ_Q6K_EXP: w padded
 // for d and the scales, e its W_exp plane), y its f16 output, n its thread count
-// (n_out*n_in/16), and its blocks from first[s] (first[0] = 0; an absent segment
-// has first past the grid). A block lies in one segment, so the type is uniform in it.
+// (n_out*n_in/16), and its blocks from first[s] (first[0] = 0; an absent segment's
+// first is the grid's size, which no block reaches). A block lies in one segment, so
+// the type is uniform in it.
 #define DQ_SEG_ARGS(s) const u8* __restrict__ w##s, const i8* __restrict__ e##s, \
                        u16* __restrict__ y##s, long long n##s, int t##s
 static_assert(DQ_SEGMENTS == 3, "the kernel spells out three segments");
