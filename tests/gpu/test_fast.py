@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT, quants as gq
 
+from .test_quants32 import _random_blocks
+
 pytestmark = pytest.mark.gpu
 
 
@@ -154,9 +156,7 @@ def test_dequant_many_side_by_side_in_one_scratch(monkeypatch):
             raw = _random_q4k(rng, n_out, n_in)
             want, dev, qt, plane = gq.dequantize(raw, QT.Q4_K), raw, QT.Q4_K, None
         elif kind == QT.Q4_0:
-            raw = rng.integers(0, 256, (n_out, n_in // 32, 18), dtype=np.uint8)
-            raw[:, :, 0:2] = _f16(rng, (n_out, n_in // 32), 1e-3, 1e-1)[..., None].view(np.uint8)
-            raw = raw.reshape(n_out, -1)
+            raw = _random_blocks(QT.Q4_0, n_out, n_in, 21)
             want, dev, qt, plane = gq.dequantize(raw, QT.Q4_0), raw, QT.Q4_0, None
         else:
             raw = _random_q6k(rng, n_out, n_in)
