@@ -7,8 +7,9 @@ across the 7B's four GEMM shapes, against ~17 ms for the whole forward at 512
 tokens). cuBLASLt shows the heuristic's ranked candidates, so the choice is ours:
 
 - the first time a weight shape (N, K, output type) is seen, the first choices at
-  a fixed grid of prompt lengths are loaded (one small GEMM per kernel, ~0.06 s
-  per shape on the 7B, inside Engine.warmup's prefills);
+  a fixed grid of prompt lengths are loaded (a small GEMM per kernel, and one
+  with beta = 1 for an f32 output; ~0.06 s per shape on the 7B, inside
+  Engine.warmup's prefills);
 - eager work takes the heuristic's best candidate among the kernels loaded for
   its shape (a one-shot prompt pays a heuristic query, ~0.1 ms per shape, not
   kernel loads); work recorded for replay (a CUDA graph's capture and the warm
@@ -216,7 +217,10 @@ class _Lt:
 
     def _preload(self, shape: tuple[int, int, int]) -> set:
         """The kernel keys of the shape's first choices over preload_grid(), each new
-        kernel loaded by one GEMM of 64 rows (made once per shape)."""
+        kernel loaded by a GEMM of 64 rows (made once per shape); with an f32 output
+        (the GEMMs that may accumulate into the residual) also by one with beta = 1:
+        a kernel's first launch with beta != 0 loads code of its own (~5 ms on the
+        H200, docs/PERF.md 6.38)."""
         loaded = self.preloaded.get(shape)
         if loaded is not None:
             return loaded
@@ -232,9 +236,11 @@ class _Lt:
         t_run = 64
         w = cp.empty((N, K), cp.float16)            # contents unused: the GEMM only loads its kernel
         x = cp.zeros((t_run, K), cp.float16)
-        out = cp.empty((t_run, N), cp.float32 if c_type == CUDA_R_32F else cp.float16)
+        out = cp.zeros((t_run, N), cp.float32 if c_type == CUDA_R_32F else cp.float16)
+        betas = (_ZERO, _ONE) if c_type == CUDA_R_32F else (_ZERO,)
         for algo in todo.values():
-            self.matmul(x, w, out, _ZERO, algo, stream.ptr)
+            for beta in betas:
+                self.matmul(x, w, out, beta, algo, stream.ptr)
         stream.synchronize()
         self.preloaded[shape] = loaded = set(todo)
         self.stats["preloaded kernels"] += len(loaded)
