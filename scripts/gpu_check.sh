@@ -6,7 +6,8 @@
 #   bash scripts/gpu_check.sh              # from the repository root
 #   GOLDEN_UPDATE=1 bash scripts/gpu_check.sh   # (re)make tests/golden first (-> $OUT/golden.tgz)
 #   GOLDEN_CHECK=0 PYTEST_TIMEOUT=180 BENCH_REPS=3  # a shorter run
-#   BENCH_7B=1 bash scripts/gpu_check.sh        # + the 7B twin: bench, A/B of W_exp, 3-mode greedy,
+#   BENCH_7B=1 bash scripts/gpu_check.sh        # + the 7B twin: bench, A/Bs of W_exp and the fused
+#                                               #   gate/up kernel, 3-mode greedy,
 #                                               #   GEMM engine by prompt length (AB_7B=0 skips the
 #                                               #   W_exp A/B, AB_GRAPHS=0 the CUDA-graph A/B)
 #
@@ -173,21 +174,27 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
         if [ "${AB_GRAPHS:-1}" = 1 ]; then       # CUDA graphs of the layers vs eager, at 512 tokens
             ab_step ab-graphs -p 512 --a MINFER_CUDA_GRAPHS=1 --b MINFER_CUDA_GRAPHS=0
         fi
+        if [ "${AB_GATEUP:-1}" = 1 ]; then       # the fused q4_K gate/up + SwiGLU kernel vs the chain
+            ab_step ab-gateup -p 256 --a MINFER_GATEUP_FUSED=1 --b MINFER_GATEUP_FUSED=0
+        fi
         if [ "${AB_FFN:-1}" = 1 ]; then          # f16 FFN intermediates vs f32, at 3325 tokens
             ab_step ab-ffn16 -p 3325 --a MINFER_FFN_F16=1 --b MINFER_FFN_F16=0
         fi
-        # greedy stream from the 7B twin, byte-identical across the three q6_K modes
+        # greedy stream from the 7B twin, byte-identical across the three q6_K modes and
+        # with the fused gate/up kernel off (its prompt is short enough to take it)
         P='The capital of France is'
-        for mode in exp off miss; do
+        for mode in exp off miss chain; do
             case $mode in
                 exp) envs=() ;; off) envs=(MINFER_MMQ_Q6K_EXP=0) ;; miss) envs=(MINFER_TEST_FORCE_EXP_MISS=1) ;;
+                chain) envs=(MINFER_GATEUP_FUSED=0) ;;
             esac
             env "${envs[@]}" MINFER_MMQ_RAW_NB_DEBUG=1 timeout 120 python3 -m minfer generate -m "$TWIN" \
                 --backend cuda -q -n 40 --ignore-eos -p "$P" >"/tmp/g7b_$mode.txt" 2>"/tmp/g7b_$mode.err"
             echo "--- 7B greedy, mode $mode: $(wc -c <"/tmp/g7b_$mode.txt") bytes; $(grep -E 'q6k (exp|exp=off|fallback!):' "/tmp/g7b_$mode.err" | tr '\n' ' ')" >>"$LOG/bench.log"
         done
-        if [ -s /tmp/g7b_exp.txt ] && cmp -s /tmp/g7b_exp.txt /tmp/g7b_off.txt && cmp -s /tmp/g7b_exp.txt /tmp/g7b_miss.txt; then
-            record 7b-greedy-modes ok "$(wc -c </tmp/g7b_exp.txt) bytes identical in exp / exp=off / fallback!"
+        if [ -s /tmp/g7b_exp.txt ] && cmp -s /tmp/g7b_exp.txt /tmp/g7b_off.txt && cmp -s /tmp/g7b_exp.txt /tmp/g7b_miss.txt \
+                && cmp -s /tmp/g7b_exp.txt /tmp/g7b_chain.txt; then
+            record 7b-greedy-modes ok "$(wc -c </tmp/g7b_exp.txt) bytes identical in exp / exp=off / fallback! / gate/up chain"
         else
             record 7b-greedy-modes FAIL "streams differ or are empty (see bench.log)"
         fi

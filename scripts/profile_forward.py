@@ -41,6 +41,7 @@ from minfer.engine import Engine
 # after the architecture and tile: nvjet_..., sm90_xmma_gemm_..., cutlass_...,
 # and its split-K reductions splitKreduce_...)
 FAMILIES = (
+    ("gateup_swiglu", "gate/up + SwiGLU (q4_K fused)"),
     ("flash_attn", "attention (flash)"),
     ("attn_decode", "attention (decode)"),
     ("attention_f32", "attention (f32)"),

@@ -11,9 +11,10 @@ LDGSTS in the EXP=true build, or the fast path silently degrades.
 
 Exit code 1 if LDGSTS is missing from mmq_q6k_bt<.., true>, if any MMQ kernel
 spills, or if mmq_q6k_bt uses more than the 80 registers that
-__launch_bounds__(256, 3) allows. Then kernels/flash_attn_sm90.cu for sm_90a: no
-spills, at most the 128 registers of two blocks an SM, and no wgmma serialized
-by ptxas ("Potential Performance Loss"); with cuobjdump, HGMMA in its SASS.
+__launch_bounds__(256, 3) allows. Then the wgmma kernels for sm_90a
+(kernels/flash_attn_sm90.cu, kernels/gateup_sm90.cu): no spills, at most the
+registers of their launch bounds, and no wgmma serialized by ptxas ("Potential
+Performance Loss"); with cuobjdump, HGMMA in their SASS.
 Without cuobjdump (a machine with only nvcc/ptxas) the LDGSTS column says so and
 counts cp.async in the PTX instead; that is not SASS evidence, and
 --require-sass makes it an error.
@@ -39,6 +40,10 @@ MAX_REGS_Q6K = 65536 // (K["MMQ_THREADS"] * 3) // 8 * 8
 FLASH90 = ROOT / "kernels" / "flash_attn_sm90.cu"
 # two blocks of FA90_WG warpgroups per SM (__launch_bounds__ of flash_attn_f16_sm90)
 MAX_REGS_FLASH90 = 65536 // (128 * K["FA90_WG"] * 2)
+GATEUP90 = ROOT / "kernels" / "gateup_sm90.cu"
+# one block of 384 threads per SM (__launch_bounds__ of gateup_swiglu_q4k; its
+# consumer warpgroups raise theirs with setmaxnreg) -> 168 (alloc granule 8)
+MAX_REGS_GATEUP90 = 65536 // 384 // 8 * 8
 
 
 def demangle(sym: str) -> str:
@@ -131,7 +136,8 @@ def main() -> int:
             bad.append(msg)
         else:
             print(f"WARNING: {msg}")
-    bad += check_flash90()
+    bad += check_sm90(FLASH90, "flash_attn_f16_sm90", MAX_REGS_FLASH90)
+    bad += check_sm90(GATEUP90, "gateup_swiglu_q4k", MAX_REGS_GATEUP90)
     for b in bad:
         print(f"FAIL: {b}")
     if not bad:
@@ -139,29 +145,29 @@ def main() -> int:
     return 1 if bad else 0
 
 
-def check_flash90() -> list[str]:
-    """The wgmma flash attention: registers, spills, no serialized wgmma -> failures."""
+def check_sm90(src: Path, name: str, max_regs: int) -> list[str]:
+    """A wgmma kernel: registers, spills, no serialized wgmma -> failures."""
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "flash90.cubin"
+        cubin = Path(tmp) / "k.cubin"
         log = run(["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-Xptxas", "-v", *define_flags(),
-                   f"-I{FLASH90.parent}", str(FLASH90), "-o", str(cubin)])
+                   f"-I{src.parent}", str(src), "-o", str(cubin)])
         hgmma = None
         if shutil.which("cuobjdump"):
             hgmma = len(re.findall(r"\bHGMMA\b", run(["cuobjdump", "--dump-sass", str(cubin)])))
     regs = int(m[1]) if (m := re.search(r"Used (\d+) registers", log)) else -1
     sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     spills = int(sp[1]) + int(sp[2]) if sp else -1
-    print(f"{'flash_attn_f16_sm90':28} {regs:>5} {'':>6} {spills:>9} (spill bytes)  "
+    print(f"{name:28} {regs:>5} {'':>6} {spills:>9} (spill bytes)  "
           f"HGMMA {'n/a' if hgmma is None else hgmma}")
     bad = []
     if spills:
-        bad.append(f"flash_attn_f16_sm90 spills ({spills} bytes)")
-    if not 0 < regs <= MAX_REGS_FLASH90:
-        bad.append(f"flash_attn_f16_sm90 uses {regs} registers > {MAX_REGS_FLASH90}")
+        bad.append(f"{name} spills ({spills} bytes)")
+    if not 0 < regs <= max_regs:
+        bad.append(f"{name} uses {regs} registers > {max_regs}")
     if "Performance Loss" in log:
-        bad.append("flash_attn_f16_sm90: ptxas serialized its wgmma")
+        bad.append(f"{name}: ptxas serialized its wgmma")
     if hgmma == 0:
-        bad.append("flash_attn_f16_sm90: no HGMMA in the SASS")
+        bad.append(f"{name}: no HGMMA in the SASS")
     return bad
 
 

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from minfer.backend.cuda import cublas, dependent
-from minfer.backend.cuda.gemm import gemm_path
+from minfer.backend.cuda.gemm import GATEUP_FUSED_MAX_T, gateup_fused, gemm_path
 from minfer.backend.cuda.settings import F16_GEMM_MIN_T, CudaSettings
 from minfer.backend.cuda.weights import GpuWeight, expected_plane_bytes, is_plane_tensor, plane_check
 
@@ -29,10 +29,11 @@ def test_settings_from_env():
     s = CudaSettings.from_env({"MINFER_MMQ_Q6K_EXP": "0", "MINFER_FFN_F16": "0",
                                "MINFER_CUDA_GRAPHS": "0", "MINFER_MMQ_RAW_NB_DEBUG": "1",
                                "MINFER_TEST_FORCE_EXP_MISS": "1", "MINFER_F16_WEIGHTS": "1",
-                               "MINFER_PDL": "0", "MINFER_FLASH_WGMMA": "0"})
+                               "MINFER_PDL": "0", "MINFER_FLASH_WGMMA": "0", "MINFER_GATEUP_FUSED": "0"})
     assert (s.exp_planes, s.ffn_f16, s.graphs, s.report_counts, s.force_exp_miss, s.f16_weights,
-            s.dependent_launches, s.flash_wgmma) == (False, False, False, True, True, True, False, False)
-    assert CudaSettings().dependent_launches and CudaSettings().flash_wgmma
+            s.dependent_launches, s.flash_wgmma, s.gateup_fused) == (False, False, False, True, True, True,
+                                                                     False, False, False)
+    assert CudaSettings().dependent_launches and CudaSettings().flash_wgmma and CudaSettings().gateup_fused
     assert not CudaSettings().f16_weights
     assert not s.use_planes and CudaSettings().use_planes
     assert not CudaSettings().replace(exp_enabled=False).use_planes
@@ -69,6 +70,26 @@ def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
     p = gemm_path(T, _w(name, qtype), CudaSettings(**settings), has_plane)
     assert (p.engine, p.counter, p.b_source) == want
     assert p.reads_plane == (want[2] == "q6k exp")
+
+
+@pytest.mark.parametrize("T,qtypes,d_ff,n_in,settings,has_f16,cc,want", [
+    (256, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),           # the 7B
+    (512, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
+    (2, (QT.Q4_K, QT.Q4_K), 8960, 1536, {}, False, (9, 0), True),              # the 1.5B
+    (GATEUP_FUSED_MAX_T, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),
+    (GATEUP_FUSED_MAX_T + 1, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
+    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {"gateup_fused": False}, False, (9, 0), False),
+    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, True, (9, 0), False),            # f16 copies kept
+    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (8, 9), False),           # no sm_90a
+    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (10, 0), False),
+    (200, (QT.Q4_K, QT.Q6_K), 18944, 3584, {}, False, (9, 0), False),
+    (200, (QT.Q4_K, QT.Q4_K), 18944 + 32, 3584, {}, False, (9, 0), False),      # not 64 features a block
+    (200, (QT.Q4_1, QT.Q4_1), 18944, 3584, {}, False, (9, 0), False),
+])
+def test_gateup_fused_decision(T, qtypes, d_ff, n_in, settings, has_f16, cc, want):
+    gate = GpuWeight("blk.0.ffn_gate.weight", qtypes[0], d_ff, n_in, data=None)
+    up = GpuWeight("blk.0.ffn_up.weight", qtypes[1], d_ff, n_in, data=None)
+    assert gateup_fused(T, gate, up, CudaSettings(**settings), has_f16, cc) is want
 
 
 def test_gemm_path_rejects_unsupported_types():

@@ -398,10 +398,11 @@ def test_swiglu_f16_packed_and_over_column_blocks(cp, T, n):
 def test_gate_up_as_one_gemm_equals_two_gemms(cp, cuda_linears):
     """The f16 FFN with gate and up dequantized side by side and one GEMM (f16 out),
     SwiGLU over its column blocks: the bits of two GEMMs and a packed SwiGLU, the
-    same launch counts, and the grouped path really taken (the scratch holds both)."""
+    same launch counts, and the grouped path really taken (the scratch holds both).
+    (The fused gate/up kernel off: test_gateup.py compares it with this path.)"""
     from minfer.backend.cuda import f16
     T, d, d_ff = 29, 512, 768
-    st, gemm = cuda_linears()
+    st, gemm = cuda_linears(gateup_fused=False)
     ws = []
     for name, qt, n_out, n_in in (("blk.0.ffn_gate.weight", QT.Q4_K, d_ff, d),
                                   ("blk.0.ffn_up.weight", QT.Q4_K, d_ff, d),

@@ -15,6 +15,11 @@
                                        (with settings.f16_weights, the GEMM reads the f16 copy
                                        kept since load instead: nothing dequantized)
 
+A prompt's FFN on the f16 engine with q4_K gate and up, on a Hopper GPU, up to
+GATEUP_FUSED_MAX_T tokens: gate/up and SwiGLU in one kernel that reads the q4_K
+blocks (gateup.py, the same bits; gate and up still count q4k_f16, and the launch
+`gate/up fused`). `gateup_fused` decides.
+
 A q6_K GEMM on either engine also counts where its B operand came from:
 `q6k exp` (the W_exp plane: the fast path), `q6k exp=off` (planes deliberately
 off), `q6k fallback!` (a plane was expected and is missing), `q6k raw` (a q6_K
@@ -31,8 +36,8 @@ from dataclasses import dataclass
 from gguf import GGMLQuantizationType as QT
 
 from ...errors import MinferError
-from . import f16, int8, matvec, ops
-from .launch import cp
+from . import f16, gateup, int8, matvec, ops
+from .launch import cp, device_cc
 from .settings import CudaSettings
 from .weights import GpuWeight, WeightStore
 
@@ -41,7 +46,7 @@ _PREFIX = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.
 COUNTERS = (("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
              "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw", "q6k f16 kept",
              "q4k_mv", "q6k_mv", "f32_gemm", "dependent launches", "early dequants",
-             "flash wgmma", "flash mma")
+             "flash wgmma", "flash mma", "gate/up fused")
             + tuple(f"{p}_{e}" for t, p in _PREFIX.items() if t not in int8.MMQ_TYPES
                     for e in ("f16", "mv")))
 
@@ -84,6 +89,25 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
         else:
             source = "q6k exp" if has_plane else "q6k fallback!"
     return GemmPath(engine, f"{prefix}_{engine}", source)
+
+
+# The longest prompt whose FFN runs gate/up + SwiGLU in the fused q4_K kernel
+# (gateup.py). Its blocks take 256 tokens and convert their weight rows once per
+# block, so its cost steps with ceil(T / 256) while the dequantization it replaces
+# costs the same at every length. Measured on the H200, the 7B twin's forward
+# (docs/PERF.md 6.40): 7% faster at 256 tokens, level at 128, 13-16% slower at 384
+# and 640.
+GATEUP_FUSED_MAX_T = 256
+
+
+def gateup_fused(T: int, gate: GpuWeight, up: GpuWeight, settings: CudaSettings, has_f16: bool,
+                 cc: tuple[int, int]) -> bool:
+    """Does the f16-engine FFN of T tokens take the fused gate/up + SwiGLU kernel? Not
+    when it is turned off, past GATEUP_FUSED_MAX_T, with kept f16 copies (nothing to
+    dequantize), or for weights or a GPU the kernel does not fit. Pure."""
+    return (settings.gateup_fused and T <= GATEUP_FUSED_MAX_T and not has_f16
+            and gate.n_out == up.n_out and gate.n_in == up.n_in
+            and gateup.fits((gate.qtype, up.qtype), gate.n_out, gate.n_in, cc))
 
 
 class Counters:
@@ -303,12 +327,21 @@ class Gemms:
 
     def ffn_f16(self, h, gate: GpuWeight, up: GpuWeight, down: GpuWeight, residual=None):
         """h (T, d) f32, or f16 already rounded -> down(silu(gate h) * up h) f32 (T, d)
-        with the (T, d_ff) intermediates in f16: gate/up write f16 (one GEMM over both
-        weights where they group, else one each), swiglu reads and writes f16, the
-        down GEMM reads it (no f32 round trip). With a residual, the down GEMM
+        with the (T, d_ff) intermediates in f16: gate/up and SwiGLU in one kernel where
+        gateup_fused says so, else gate/up write f16 (one GEMM over both weights where
+        they group, else one each) and swiglu reads and writes f16; the down GEMM
+        reads it (no f32 round trip). With a residual, the down GEMM
         accumulates into it (consumed) and returns it."""
         T, d_ff = h.shape[0], gate.n_out
         xh = h if h.dtype == cp.float16 else f16.cast_f16(h, self._x16(h.shape))   # (T, d)
+        has_f16 = self.store.f16_of(gate) is not None or self.store.f16_of(up) is not None
+        if gateup_fused(T, gate, up, self.settings, has_f16, device_cc()):
+            for w in (gate, up):
+                self.counters.count(self.path(T, w))
+            self.counters.counts["gate/up fused"] += 1
+            f = gateup.gateup_swiglu_q4k(xh, gate.data, up.data, d_ff,
+                                         out=cp.empty((T, d_ff), cp.float16))     # (T, d_ff)
+            return self._f16_residual(f, down, residual)
         if self.groups(T, (gate, up), (None, None)):
             gu = self._f16_group(xh, (gate, up), cp.float16)                        # 2 x (T, d_ff) views
         else:

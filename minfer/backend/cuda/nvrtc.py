@@ -73,6 +73,15 @@ KERNEL_CONSTANTS: dict[str, int] = {
     # to align them to the swizzle's 1024-byte atoms
     "FA90_WG": 2,
     "FA90_SMEM": (128 + 4 * 64) * 128 * 2 + 1024,
+    # gate/up + SwiGLU from q4_K in one Hopper kernel (gateup_sm90.cu): a block takes
+    # GU_FEATURES features of both weights and GU_TOKENS tokens (one wgmma m64n256
+    # chain a consumer warpgroup), k-tiles of 64 through GU_STAGES stages of X (256 x
+    # 128 bytes) + headers (128 x 16) + nibbles (128 x 32); GU_SMEM adds two 8-byte
+    # mbarriers a stage and 1 KB to align the ring to the swizzle's 1024-byte atoms
+    "GU_TOKENS": 256,
+    "GU_FEATURES": 64,
+    "GU_STAGES": 5,
+    "GU_SMEM": 5 * (256 * 128 + 128 * 16 + 128 * 32) + 16 * 5 + 1024,
     # one-query (decode) attention (decode_attn.cu): the keys split into chunks of
     # DEC_CHUNK per KV head, DEC_WARPS warps per chunk (DEC_WARPS * 32 == FA_HD), up
     # to DEC_MAX_G query heads per KV head
@@ -90,7 +99,7 @@ K = KERNEL_CONSTANTS
 NVRTC_OPTIONS = ("-std=c++17",)
 # Files that use instructions of one GPU only, and the target they compile for:
 # wgmma exists on compute capability 9.0 alone, through its "a" target
-ARCH_SPECIFIC = {"flash_attn_sm90.cu": ("sm_90a", (9, 0))}
+ARCH_SPECIFIC = {"flash_attn_sm90.cu": ("sm_90a", (9, 0)), "gateup_sm90.cu": ("sm_90a", (9, 0))}
 
 
 def define_flags() -> tuple[str, ...]:

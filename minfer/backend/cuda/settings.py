@@ -11,6 +11,9 @@ graph's cache key.
     MINFER_F16_WEIGHTS=1          opt-in: keep an f16 copy of every layer weight the f16
                                   engine reads, made at load (2 bytes a weight: ~13 GB on
                                   the 7B), so a prefill GEMM dequantizes nothing
+    MINFER_GATEUP_FUSED=0         prefill gate/up + SwiGLU through dequantize + cuBLAS + swiglu_f16
+                                  at every length, never the Hopper kernel that reads q4_K
+                                  (gateup.py; the same bits)
     MINFER_FLASH_WGMMA=0          prefill attention through the mma.sync flash kernel on a
                                   Hopper GPU too (the one other GPUs run), not the wgmma one
     MINFER_CUDA_GRAPHS=0          never capture the decoder layers (every prefill eager)
@@ -40,6 +43,7 @@ class CudaSettings:
     f16_min_t: int = F16_GEMM_MIN_T
     ffn_f16: bool = True           # fused f16 FFN (MINFER_FFN_F16)
     f16_weights: bool = False      # f16 copies of the f16 engine's weights, made at load (MINFER_F16_WEIGHTS)
+    gateup_fused: bool = True      # q4_K gate/up + SwiGLU in one Hopper kernel at short prompts (MINFER_GATEUP_FUSED)
     flash_wgmma: bool = True       # wgmma flash attention where the GPU has it (MINFER_FLASH_WGMMA)
     graphs: bool = True            # CUDA graphs of the decoder layers (MINFER_CUDA_GRAPHS)
     dependent_launches: bool = True  # programmatic dependent launches in captured graphs (MINFER_PDL)
@@ -51,6 +55,7 @@ class CudaSettings:
         return cls(exp_planes=env.get("MINFER_MMQ_Q6K_EXP", "1") != "0",
                    ffn_f16=env.get("MINFER_FFN_F16", "1") != "0",
                    f16_weights=env.get("MINFER_F16_WEIGHTS") == "1",
+                   gateup_fused=env.get("MINFER_GATEUP_FUSED", "1") != "0",
                    flash_wgmma=env.get("MINFER_FLASH_WGMMA", "1") != "0",
                    graphs=env.get("MINFER_CUDA_GRAPHS", "1") != "0",
                    dependent_launches=env.get("MINFER_PDL", "1") != "0",

@@ -1,0 +1,283 @@
+// The gate and up projections of a prompt's FFN and the SwiGLU between them, in one
+// Hopper kernel (sm_90a: TMA, mbarriers, wgmma, setmaxnreg) that reads gate and up
+// as q4_K blocks:
+//   h[t, f] = f16(silu_mul(f16(sum_k G[f, k] x[t, k]), f16(sum_k U[f, k] x[t, k])))
+// where every weight element is the f16 of dequant_f16.cu's value for it. That is
+// what the f16 engine computes for the FFN (dequantize gate and up into the f16
+// scratch, one cuBLAS GEMM with f16 output, swiglu_f16), bit for bit where cuBLAS
+// sums a row's 16-wide products in k order as wgmma does (tests/gpu/test_gateup.py
+// compares the two).
+//
+// Why: the f16 engine dequantizes each weight into the f16 scratch (2 bytes a weight
+// written, then read by the GEMM) whatever the prompt's length; here each consumer
+// thread turns the q4_K nibbles of its wgmma A fragments into f16 in registers
+// while the previous k-tile's products run, and SwiGLU is applied before anything
+// leaves the SM. A block converts its weight rows once for its 256 tokens, so the
+// conversions cost ceil(T / 256) times the weight: up to 256 tokens that is less
+// than the dequantization, beyond it more (docs/PERF.md 6.40); gemm.py's
+// gateup_fused decides the lengths.
+//
+// Block: 384 threads, one block an SM, 64 features f0.. of both weights x 256 tokens
+// m0...
+//   warpgroup 0: gate rows f0..f0+63, warpgroup 1: up rows f0..f0+63. wgmma
+//     m64n256k16: A = the 64 rows' dequantized fragments (registers), B = the X tile
+//     (tokens as N, K-major, 128-byte swizzle), 128 f32 accumulators a thread.
+//   warpgroup 2: one thread issues the TMA copies. setmaxnreg hands its registers to
+//     the consumers (40 a thread here, 232 there: the accumulators, two sets of A
+//     fragments and the conversion fit without spills).
+// A ring of GU_STAGES stages, one k-tile of 64 each: X (256 tokens x 64 f16, 32 KB,
+// swizzled) | the q4_K headers (d, dmin, scales: 16 bytes) of the k-tile's
+// super-block for gate's 64 rows, then up's | the k-tile's 32 nibble bytes of each
+// row, gate's then up's. Per stage an mbarrier `full` (the copies' bytes have
+// arrived) and `empty` (both consumer warpgroups are done with it).
+//
+// Epilogue: once both consumers are done with the ring, each writes its sums rounded
+// to f16 as a [256 tokens][64 features] tile into the ring's first 64 KB (16-byte
+// chunks swizzled by token, so the fragment stores do not collide on banks); then
+// the 256 consumer threads each take 16-byte chunks of a token's features: 8 gate
+// and 8 up values in, 8 h values out, one 16-byte store.
+
+#include "common.cuh"
+
+typedef unsigned long long u64;
+
+#define GU_THREADS 384
+#define GU_X_BYTES (GU_TOKENS * 128)               // X tile: GU_TOKENS rows of 64 halves
+#define GU_H_BYTES (128 * 16)                      // headers: 128 rows (gate, up) x 16 B
+#define GU_Q_BYTES (128 * 32)                      // nibbles: 128 rows x 32 B
+#define GU_STAGE (GU_X_BYTES + GU_H_BYTES + GU_Q_BYTES)
+
+static_assert(GU_TOKENS == 256, "the wgmma below is m64n256: 256 tokens a block");
+static_assert(GU_FEATURES == 64, "a consumer warpgroup is wgmma's 64 rows");
+static_assert(GU_STAGE % 1024 == 0, "each stage's X tile starts on a 1024-byte swizzle atom");
+static_assert(GU_SMEM == GU_STAGES * GU_STAGE + 16 * GU_STAGES + 1024, "shared layout: ring, barriers, alignment");
+static_assert(GU_STAGES * GU_STAGE >= 2 * GU_TOKENS * GU_FEATURES * 2, "the epilogue's tiles fit in the ring");
+
+__device__ __forceinline__ u32 gu_smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// ---- mbarriers and TMA (PTX ISA: mbarrier, cp.async.bulk.tensor) ----------------
+__device__ __forceinline__ void mb_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mb_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mb_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mb_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    }
+}
+// box (c0, c1) of the 2-D tensor map `map` (in global memory) -> shared dst; the bytes
+// count on mbarrier bar. Rows past the tensor's end arrive as zeros.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, int c0, int c1, u32 bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+// ---- wgmma ---------------------------------------------------------------------
+// shared-memory matrix descriptor of a K-major tile with 128-byte swizzle: rows of
+// 128 bytes, 8-row groups 1024 bytes apart (layout type 1 in bits 62-63)
+__device__ __forceinline__ u64 gu_desc(u32 saddr) {
+    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+#define GU_F8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                    "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define GU_F32(d, i) GU_F8(d, i), GU_F8(d, i + 8), GU_F8(d, i + 16), GU_F8(d, i + 24)
+
+// d (64 rows x 256 tokens, f32) += A (64 x 16 f16, registers) * B (16 x 256, smem desc b)
+__device__ __forceinline__ void gu_mma(float (&d)[128], const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
+        "{%128,%129,%130,%131}, %132, 1, 1, 1, 0;\n"
+        : GU_F32(d, 0), GU_F32(d, 32), GU_F32(d, 64), GU_F32(d, 96)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// ---- q4_K into A fragments -------------------------------------------------------
+// byte k of v (a nibble 0..15, or 16 times one) as an exact f32: the byte placed in
+// the mantissa of 2^23, and 2^23 taken off
+__device__ __forceinline__ float gu_nibble(u32 v, int k) {
+    return __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440 | k)) - 8388608.f;
+}
+
+// scale and min of sub-block i (0..7) from the 16-byte header h (get_scale_min_k4,
+// common.cuh's q4k_scale_min, on the header's bytes: scales[k] = byte 4 + k)
+__device__ __forceinline__ void gu_scale_min(const uint4& h, int i, int& sc, int& m) {
+    auto sb = [&](int k) -> u32 {
+        const int b = 4 + k;
+        const u32 w = b < 8 ? h.y : b < 12 ? h.z : h.w;
+        return (w >> (8 * (b & 3))) & 0xFF;
+    };
+    if (i < 4) { sc = sb(i) & 63; m = sb(i + 4) & 63; }
+    else { sc = (sb(i + 4) & 0xF) | ((sb(i - 4) >> 6) << 4); m = (sb(i + 4) >> 4) | ((sb(i) >> 6) << 4); }
+}
+
+// The A fragments of k-tile j (0..3) of a super-block for rows r0 and r0 + 8 of the
+// stage's 128 rows: a[kk] for the four k16 steps, in mma.m16n8k16's A layout (a0: row
+// g, k 2t, 2t+1; a1: row g+8; a2: row g, k 2t+8, 2t+9; a3: row g+8, k 2t+8..).
+// The k-tile is sub-blocks 2j (low nibbles of its 32 bytes: k16 steps 0, 1) and 2j+1
+// (high nibbles: steps 2, 3). Each value is dequant_f16.cu's q4k_group_f16 value,
+// f16(dl * q - ml) with dl = d * sc and ml = dmin * m: dl * q is exact in f32 (at
+// most 17 + 4 significant bits), so the fused multiply-add rounds where the
+// reference's subtraction does. The high nibbles stay in place (16 q) and meet
+// dl / 16, exact as well.
+__device__ __forceinline__ void gu_fragments(const u8* hdr, const u8* qs, int r0, int t, int j,
+                                             u32 (&a)[4][4]) {
+#pragma unroll
+    for (int h8 = 0; h8 < 2; ++h8) {
+        const int r = r0 + 8 * h8;
+        const uint4 h = *(const uint4*)(hdr + 16 * r);
+        const u8* q = qs + 32 * r + 2 * t;
+        const u32 w0 = (u32)*(const u16*)q | ((u32)*(const u16*)(q + 8) << 16);
+        const u32 w1 = (u32)*(const u16*)(q + 16) | ((u32)*(const u16*)(q + 24) << 16);
+        int sc_a, m_a, sc_b, m_b;
+        gu_scale_min(h, 2 * j, sc_a, m_a);
+        gu_scale_min(h, 2 * j + 1, sc_b, m_b);
+        const float d = f16_to_f32(h.x & 0xFFFF), dmin = f16_to_f32(h.x >> 16);
+        const float dl_a = __fmul_rn(d, (float)sc_a), ml_a = __fmul_rn(dmin, (float)m_a);
+        const float dl_b16 = __fmul_rn(d, (float)sc_b) * 0.0625f, ml_b = __fmul_rn(dmin, (float)m_b);
+        const u32 lo0 = w0 & 0x0F0F0F0Fu, lo1 = w1 & 0x0F0F0F0Fu;
+        const u32 hi0 = w0 & 0xF0F0F0F0u, hi1 = w1 & 0xF0F0F0F0u;
+#define GU_PAIR(dl, ml, v, k) \
+    f32x2_to_f16x2(fmaf(dl, gu_nibble(v, k), -ml), fmaf(dl, gu_nibble(v, k + 1), -ml))
+        a[0][h8] = GU_PAIR(dl_a, ml_a, lo0, 0);
+        a[0][2 + h8] = GU_PAIR(dl_a, ml_a, lo0, 2);
+        a[1][h8] = GU_PAIR(dl_a, ml_a, lo1, 0);
+        a[1][2 + h8] = GU_PAIR(dl_a, ml_a, lo1, 2);
+        a[2][h8] = GU_PAIR(dl_b16, ml_b, hi0, 0);
+        a[2][2 + h8] = GU_PAIR(dl_b16, ml_b, hi0, 2);
+        a[3][h8] = GU_PAIR(dl_b16, ml_b, hi1, 0);
+        a[3][2 + h8] = GU_PAIR(dl_b16, ml_b, hi1, 2);
+#undef GU_PAIR
+    }
+}
+
+// byte offset of (token, feature) in an epilogue tile [256 tokens][64 features] f16:
+// the 16-byte chunk of 8 features swizzled by the token
+__device__ __forceinline__ int gu_tile_at(int tok, int feat) {
+    return tok * 128 + ((((feat >> 3) ^ tok) & 7) << 4) + 2 * (feat & 7);
+}
+
+// maps: four 2-D tensor maps (CUtensorMap, 128 bytes each) in global memory: X
+// (T x K f16, box 64 x 256, 128-byte swizzle), then gate and up as bytes (rows x
+// K/256*144), box 16 x 64 (headers) and 32 x 64 (nibbles) for each weight.
+// h: (T, d_ff) f16. grid (d_ff / 64, ceil(T / 256)), block GU_THREADS, GU_SMEM bytes
+// of dynamic shared memory. K % 256 == 0.
+extern "C" __global__ void __launch_bounds__(GU_THREADS, 1)
+gateup_swiglu_q4k(const u8* __restrict__ maps, u16* __restrict__ h, int T, int d_ff, int K) {
+    GRID_DEPENDENCY();
+    extern __shared__ u8 smem_raw[];
+    u8* sm = smem_raw + ((1024 - (gu_smem(smem_raw) & 1023)) & 1023);
+    const u32 s_ring = gu_smem(sm), s_full = s_ring + GU_STAGES * GU_STAGE, s_empty = s_full + 8 * GU_STAGES;
+    const int nk = K / 64;
+    const int f0 = blockIdx.x * GU_FEATURES, m0 = blockIdx.y * GU_TOKENS;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GU_STAGES; ++s) { mb_init(s_full + 8 * s, 1); mb_init(s_empty + 8 * s, 2); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (threadIdx.x >= 256) {                       // the producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (threadIdx.x == 256) {
+            const u8 *xmap = maps, *gh = maps + 128, *gq = maps + 256, *uh = maps + 384, *uq = maps + 512;
+            for (int kt = 0; kt < nk; ++kt) {
+                const int s = kt % GU_STAGES, use = kt / GU_STAGES;
+                if (use > 0) mb_wait(s_empty + 8 * s, (use - 1) & 1);
+                const u32 full = s_full + 8 * s, x = s_ring + s * GU_STAGE;
+                const u32 hd = x + GU_X_BYTES, qd = hd + GU_H_BYTES;
+                const int blk = (kt >> 2) * Q4K_BYTES, nib = blk + Q4K_QS + 32 * (kt & 3);
+                mb_expect_tx(full, GU_STAGE);
+                tma_load_2d(x, xmap, kt * 64, m0, full);
+                tma_load_2d(hd, gh, blk, f0, full);
+                tma_load_2d(hd + 64 * 16, uh, blk, f0, full);
+                tma_load_2d(qd, gq, nib, f0, full);
+                tma_load_2d(qd + 64 * 32, uq, nib, f0, full);
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int c = threadIdx.x / 128, w = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4, r0 = 64 * c + 16 * w + g;     // c: 0 gate, 1 up
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    u32 a[4][4], an[4][4];
+    mb_wait(s_full, 0);
+    gu_fragments(sm + GU_X_BYTES, sm + GU_X_BYTES + GU_H_BYTES, r0, t, 0, a);
+    for (int kt = 0; kt < nk; ++kt) {
+        const int s = kt % GU_STAGES;
+        const u32 xb = s_ring + s * GU_STAGE;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) gu_mma(d, a[kk], gu_desc(xb + 32 * kk));
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        if (kt + 1 < nk) {                          // the next k-tile's fragments meanwhile
+            const int s1 = (kt + 1) % GU_STAGES;
+            mb_wait(s_full + 8 * s1, ((kt + 1) / GU_STAGES) & 1);
+            const u8* st = sm + s1 * GU_STAGE + GU_X_BYTES;
+            gu_fragments(st, st + GU_H_BYTES, r0, t, (kt + 1) & 3, an);
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        // the products read `a` until here: its registers must not be reused before
+        // (without this ptxas gave them to the next fragments' temporaries)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) asm volatile("" ::"r"(a[i / 4][i % 4]) : "memory");
+        if (threadIdx.x % 128 == 0) mb_arrive(s_empty + 8 * s);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) a[i / 4][i % 4] = an[i / 4][i % 4];
+    }
+
+    // epilogue: the sums as f16 tiles, gate's at the ring's start and up's after it
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");                  // the ring is free
+    // the ring was last written by the copies and read by the products (the async
+    // proxy); the generic stores below come after both
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    u8* tile = sm + c * (GU_TOKENS * GU_FEATURES * 2);
+    // d[4n + 2hh + e] = D[16w + 8hh + g][8n + 2t + e]: (feature, token)
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                *(u16*)(tile + gu_tile_at(8 * n + 2 * t + e, 16 * w + 8 * hh + g)) = (u16)f16_bits_rn(d[4 * n + 2 * hh + e]);
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    const u8* gt = sm;
+    const u8* ut = sm + GU_TOKENS * GU_FEATURES * 2;
+#pragma unroll 2
+    for (int i = threadIdx.x; i < GU_TOKENS * 8; i += 256) {
+        const int tok = i >> 3, chunk = i & 7;
+        if (m0 + tok >= T) break;                   // i grows with the token
+        const int at = gu_tile_at(tok, 8 * chunk);
+        const uint4 gv = *(const uint4*)(gt + at), uv = *(const uint4*)(ut + at);
+        const u32 gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+        u32 o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            o[k] = f32x2_to_f16x2(silu_mul(f16_to_f32(gw[k] & 0xFFFF), f16_to_f32(uw[k] & 0xFFFF)),
+                                  silu_mul(f16_to_f32(gw[k] >> 16), f16_to_f32(uw[k] >> 16)));
+        *(uint4*)(h + (long long)(m0 + tok) * d_ff + f0 + 8 * chunk) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+#ifdef MINFER_SASS_INSTANTIATE
+// One plain extern "C" kernel: compiling the file already emits its SASS.
+#endif

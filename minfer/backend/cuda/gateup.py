@@ -1,0 +1,59 @@
+"""The gate/up projections and SwiGLU of a prompt's FFN in one Hopper kernel that
+reads the q4_K blocks (kernels/gateup_sm90.cu):
+
+    gateup_swiglu_q4k   xh f16 (T, K) with gate, up q4_K (d_ff, K) as stored
+                        -> h = f16(silu(f16(xh G^T)) * f16(xh U^T)) f16 (T, d_ff)
+    fits                can the kernel take these weights on this GPU?
+
+Numerics: the f16 engine's (f16.py: each weight the f16 of its dequantized value,
+products exact, f32 sums, the GEMM's output rounded to f16, swiglu_f16's
+expression), so h has the bits of dequantize + cuBLAS + swiglu_f16 wherever cuBLAS
+sums each output's 16-wide products in k order (tests/gpu/test_gateup.py).
+gemm.py (gateup_fused) decides when it runs.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from . import tma
+from .launch import check, cp, device_cc, kernel, scratch_view
+from .nvrtc import ARCH_SPECIFIC, K
+
+_FILE = "gateup_sm90.cu"
+QK_K, Q4K_BYTES = K["QK_K"], K["Q4K_BYTES"]
+TOKENS, FEATURES = K["GU_TOKENS"], K["GU_FEATURES"]
+
+
+def fits(qtypes, d_ff: int, n_in: int, cc: tuple[int, int]) -> bool:
+    """Do gate and up of these types and shape fit the kernel on a GPU of compute
+    capability cc? (q4_K both, d_ff a multiple of its 64 features a block, whole
+    super-blocks, cc 9.0: the sm_90a instructions exist there alone.) Pure."""
+    return (all(QT(q) == QT.Q4_K for q in qtypes) and d_ff > 0 and d_ff % FEATURES == 0
+            and n_in > 0 and n_in % QK_K == 0 and tuple(cc) == ARCH_SPECIFIC[_FILE][1])
+
+
+def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
+    """xh f16 (T, n_in), gate_raw / up_raw uint8 (d_ff, n_in/256*144) q4_K blocks as
+    stored -> h f16 (T, d_ff) (into out when given)."""
+    T, n_in = xh.shape
+    if not fits((QT.Q4_K, QT.Q4_K), d_ff, n_in, device_cc()):
+        raise ValueError(f"gateup_swiglu_q4k: ({d_ff}, {n_in}) weights need d_ff % {FEATURES} == 0, "
+                         f"n_in % {QK_K} == 0 and a compute capability 9.0 GPU")
+    check(xh, "gateup x16", cp.float16, align16=True)
+    for raw, what in ((gate_raw, "gate"), (up_raw, "up")):
+        check(raw, f"gateup {what}", cp.uint8, (d_ff, n_in // QK_K * Q4K_BYTES), align16=True)
+    h = check(scratch_view(out, (T, d_ff), "gateup out", cp.float16), "gateup out", cp.float16,
+              align16=True)                                                       # (T, d_ff)
+    if T == 0:
+        return h
+    maps = tma.device_maps((tma.map_2d(xh, TOKENS, 64, tma.SWIZZLE_128B),
+                            tma.map_2d(gate_raw, FEATURES, 16, tma.SWIZZLE_NONE),
+                            tma.map_2d(gate_raw, FEATURES, 32, tma.SWIZZLE_NONE),
+                            tma.map_2d(up_raw, FEATURES, 16, tma.SWIZZLE_NONE),
+                            tma.map_2d(up_raw, FEATURES, 32, tma.SWIZZLE_NONE)))
+    fn = kernel(_FILE, "gateup_swiglu_q4k")
+    fn.fn.max_dynamic_shared_size_bytes = K["GU_SMEM"]
+    fn((d_ff // FEATURES, (T + TOKENS - 1) // TOKENS), (384,),
+       (maps, h, np.int32(T), np.int32(d_ff), np.int32(n_in)), shared_mem=K["GU_SMEM"])
+    return h
