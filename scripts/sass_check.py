@@ -154,9 +154,10 @@ def check_sm90(src: Path, name: str, max_regs: int) -> list[str]:
         hgmma = None
         if shutil.which("cuobjdump"):
             hgmma = len(re.findall(r"\bHGMMA\b", run(["cuobjdump", "--dump-sass", str(cubin)])))
-    regs = int(m[1]) if (m := re.search(r"Used (\d+) registers", log)) else -1
-    sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    spills = int(sp[1]) + int(sp[2]) if sp else -1
+    # every kernel of the file: the most registers, all spills
+    regs = max((int(r) for r in re.findall(r"Used (\d+) registers", log)), default=-1)
+    sp = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    spills = sum(int(a) + int(b) for a, b in sp) if sp else -1
     print(f"{name:28} {regs:>5} {'':>6} {spills:>9} (spill bytes)  "
           f"HGMMA {'n/a' if hgmma is None else hgmma}")
     bad = []

@@ -23,7 +23,9 @@ from .test_mmq import _acts, _info, _weights
 
 pytestmark = pytest.mark.gpu
 
-SHAPES = [(2, 256, 64), (29, 512, 768), (255, 1536, 192), (257, 768, 128), (700, 512, 320)]
+# one 256-token block, several (the kernel takes any T; gemm.py calls it up to 256)
+SHAPES = [(2, 256, 64), (29, 512, 768), (255, 1536, 192), (256, 256, 128), (257, 768, 128),
+          (700, 512, 320)]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,7 @@ def test_ffn_takes_the_fused_kernel_with_the_same_bits(cp, cuda_linears, T):
 
 def test_ffn_past_the_limit_takes_the_chain(cp, cuda_linears):
     from minfer.backend.cuda.gemm import GATEUP_FUSED_MAX_T
-    T, d, d_ff = GATEUP_FUSED_MAX_T + 1, 256, 128
+    T, d, d_ff = GATEUP_FUSED_MAX_T + 1, 256, 256
     st, gemm = cuda_linears()
     ws = [st.register(name, _info(name, QT.Q4_K, n_out, n_in), _weights(QT.Q4_K, n_out, n_in, seed=i))
           for i, (name, n_out, n_in) in enumerate((("blk.0.ffn_gate.weight", d_ff, d),
