@@ -181,8 +181,8 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             ab_step ab-ffn16 -p 3325 --a MINFER_FFN_F16=1 --b MINFER_FFN_F16=0
         fi
         # greedy stream from the 7B twin, byte-identical across the three q6_K modes and
-        # with the fused gate/up kernel off (its prompt is short enough to take it)
-        P='The capital of France is'
+        # with the fused gate/up kernel off (a prompt of ~150 tokens: long enough to take it)
+        P="$(printf 'The capital of France is Paris. %.0s' $(seq 22))The capital of Italy is"
         for mode in exp off miss chain; do
             case $mode in
                 exp) envs=() ;; off) envs=(MINFER_MMQ_Q6K_EXP=0) ;; miss) envs=(MINFER_TEST_FORCE_EXP_MISS=1) ;;

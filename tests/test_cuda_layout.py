@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from minfer.backend.cuda import cublas, dependent
-from minfer.backend.cuda.gemm import GATEUP_FUSED_MAX_T, gateup_fused, gemm_path
+from minfer.backend.cuda.gemm import GATEUP_FUSED_MAX_T, GATEUP_FUSED_MIN_T, gateup_fused, gemm_path
 from minfer.backend.cuda.settings import F16_GEMM_MIN_T, CudaSettings
 from minfer.backend.cuda.weights import GpuWeight, expected_plane_bytes, is_plane_tensor, plane_check
 
@@ -75,7 +75,10 @@ def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
 @pytest.mark.parametrize("T,qtypes,d_ff,n_in,settings,has_f16,cc,want", [
     (256, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),           # the 7B
     (512, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
-    (2, (QT.Q4_K, QT.Q4_K), 8960, 1536, {}, False, (9, 0), True),              # the 1.5B
+    (200, (QT.Q4_K, QT.Q4_K), 8960, 1536, {}, False, (9, 0), True),            # the 1.5B
+    (GATEUP_FUSED_MIN_T, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),
+    (GATEUP_FUSED_MIN_T - 1, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
+    (2, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
     (GATEUP_FUSED_MAX_T, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),
     (GATEUP_FUSED_MAX_T + 1, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
     (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {"gateup_fused": False}, False, (9, 0), False),

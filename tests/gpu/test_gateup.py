@@ -19,6 +19,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
+from minfer.backend.cuda.gemm import GATEUP_FUSED_MAX_T, GATEUP_FUSED_MIN_T
+
 from .test_mmq import _acts, _info, _weights
 
 pytestmark = pytest.mark.gpu
@@ -94,9 +96,8 @@ def test_gateup_kernel_equals_the_f16_engine_chain(cp, T, K, d_ff):
         f"{np.sum(got.view(np.uint16) != want.view(np.uint16))} of {got.size} differ"
 
 
-@pytest.mark.parametrize("T", [29, 256])
+@pytest.mark.parametrize("T", [GATEUP_FUSED_MIN_T, 201, 256])
 def test_ffn_takes_the_fused_kernel_with_the_same_bits(cp, cuda_linears, T):
-    from minfer.backend.cuda.gemm import GATEUP_FUSED_MAX_T
     d, d_ff = 512, 1280
     runs = {}
     for fused in (True, False):
@@ -111,15 +112,15 @@ def test_ffn_takes_the_fused_kernel_with_the_same_bits(cp, cuda_linears, T):
         y = gemm.ffn_f16(xh, *ws, residual=res)
         runs[fused] = (cp.asnumpy(y), dict(gemm.counters.counts))
     (y1, c1), (y0, c0) = runs[True], runs[False]
-    assert T <= GATEUP_FUSED_MAX_T
+    assert GATEUP_FUSED_MIN_T <= T <= GATEUP_FUSED_MAX_T
     assert c1["gate/up fused"] == 1 and c0["gate/up fused"] == 0
     assert c1["q4k_f16"] == c0["q4k_f16"] == 2 and c1["q6k exp"] == c0["q6k exp"] == 1
     assert np.array_equal(y1.view(np.uint32), y0.view(np.uint32))
 
 
-def test_ffn_past_the_limit_takes_the_chain(cp, cuda_linears):
-    from minfer.backend.cuda.gemm import GATEUP_FUSED_MAX_T
-    T, d, d_ff = GATEUP_FUSED_MAX_T + 1, 256, 256
+@pytest.mark.parametrize("T", [GATEUP_FUSED_MIN_T - 1, GATEUP_FUSED_MAX_T + 1])
+def test_ffn_outside_its_lengths_takes_the_chain(cp, cuda_linears, T):
+    d, d_ff = 256, 256
     st, gemm = cuda_linears()
     ws = [st.register(name, _info(name, QT.Q4_K, n_out, n_in), _weights(QT.Q4_K, n_out, n_in, seed=i))
           for i, (name, n_out, n_in) in enumerate((("blk.0.ffn_gate.weight", d_ff, d),

@@ -42,7 +42,8 @@ def _eager(engine, tokens, cache):
         return y, _counts(be)
 
 
-@pytest.mark.parametrize("T,gemm", [(7, "f16"), (70, "f16"), (333, "f16"), (40, "mmq")])
+# 200: the FFN takes the fused gate/up kernel (gemm.gateup_fused)
+@pytest.mark.parametrize("T,gemm", [(7, "f16"), (70, "f16"), (200, "f16"), (333, "f16"), (40, "mmq")])
 def test_replay_equals_eager_and_counts(engine, T, gemm):
     be = engine.backend
     assert be.settings.graphs, "MINFER_CUDA_GRAPHS=0 in the environment"
@@ -107,7 +108,7 @@ def test_replay_survives_scratch_growth(engine):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("T", [7, 333])
+@pytest.mark.parametrize("T", [7, 200, 333])
 def test_dependent_launches_same_bits(engine, T):
     """A graph whose kernels launch as programmatic dependents (the default) and one
     whose kernels launch the ordinary way give the same bits; only the first counts

@@ -15,8 +15,8 @@
                                        (with settings.f16_weights, the GEMM reads the f16 copy
                                        kept since load instead: nothing dequantized)
 
-A prompt's FFN on the f16 engine with q4_K gate and up, on a Hopper GPU, up to
-GATEUP_FUSED_MAX_T tokens: gate/up and SwiGLU in one kernel that reads the q4_K
+A prompt's FFN on the f16 engine with q4_K gate and up, on a Hopper GPU, from
+GATEUP_FUSED_MIN_T to GATEUP_FUSED_MAX_T tokens: gate/up and SwiGLU in one kernel that reads the q4_K
 blocks (gateup.py, the same bits; gate and up still count q4k_f16, and the launch
 `gate/up fused`). `gateup_fused` decides.
 
@@ -91,21 +91,24 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
     return GemmPath(engine, f"{prefix}_{engine}", source)
 
 
-# The longest prompt whose FFN runs gate/up + SwiGLU in the fused q4_K kernel
+# The prompt lengths whose FFN runs gate/up + SwiGLU in the fused q4_K kernel
 # (gateup.py). Its blocks take 256 tokens and convert their weight rows once per
 # block, so its cost steps with ceil(T / 256) while the dequantization it replaces
-# costs the same at every length. Measured on the H200, the 7B twin's forward
-# (docs/PERF.md 6.40): 7% faster at 256 tokens, level at 128, 13-16% slower at 384
-# and 640.
+# costs the same at every length; below ~128 tokens the conversions are most of its
+# work. Measured on the H200, the 7B twin's forward (docs/PERF.md 6.40): 9% slower
+# at 32 tokens, level at 128, 11% and 7-9% faster at 192 and 256, 13-16% slower at
+# 384 and 640.
+GATEUP_FUSED_MIN_T = 128
 GATEUP_FUSED_MAX_T = 256
 
 
 def gateup_fused(T: int, gate: GpuWeight, up: GpuWeight, settings: CudaSettings, has_f16: bool,
                  cc: tuple[int, int]) -> bool:
     """Does the f16-engine FFN of T tokens take the fused gate/up + SwiGLU kernel? Not
-    when it is turned off, past GATEUP_FUSED_MAX_T, with kept f16 copies (nothing to
-    dequantize), or for weights or a GPU the kernel does not fit. Pure."""
-    return (settings.gateup_fused and T <= GATEUP_FUSED_MAX_T and not has_f16
+    when it is turned off, outside GATEUP_FUSED_MIN_T..GATEUP_FUSED_MAX_T, with kept
+    f16 copies (nothing to dequantize), or for weights or a GPU the kernel does not
+    fit. Pure."""
+    return (settings.gateup_fused and GATEUP_FUSED_MIN_T <= T <= GATEUP_FUSED_MAX_T and not has_f16
             and gate.n_out == up.n_out and gate.n_in == up.n_in
             and gateup.fits((gate.qtype, up.qtype), gate.n_out, gate.n_in, cc))
 
