@@ -173,13 +173,14 @@ __device__ __forceinline__ int gu_tile_at(int tok, int feat) {
     return tok * 128 + ((((feat >> 3) ^ tok) & 7) << 4) + 2 * (feat & 7);
 }
 
-// maps: four 2-D tensor maps (CUtensorMap, 128 bytes each) in global memory: X
-// (T x K f16, box 64 x 256, 128-byte swizzle), then gate and up as bytes (rows x
-// K/256*144), box 16 x 64 (headers) and 32 x 64 (nibbles) for each weight.
+// xmap: the 2-D tensor map (CUtensorMap, 128 bytes, in global memory) of X (T x K
+// f16, box 64 x 256, 128-byte swizzle); wmaps: four more, gate's and then up's bytes
+// (rows x K/256*144) in boxes of 16 x 64 (headers) and 32 x 64 (nibbles).
 // h: (T, d_ff) f16. grid (d_ff / 64, ceil(T / 256)), block GU_THREADS, GU_SMEM bytes
 // of dynamic shared memory. K % 256 == 0.
 extern "C" __global__ void __launch_bounds__(GU_THREADS, 1)
-gateup_swiglu_q4k(const u8* __restrict__ maps, u16* __restrict__ h, int T, int d_ff, int K) {
+gateup_swiglu_q4k(const u8* __restrict__ xmap, const u8* __restrict__ wmaps, u16* __restrict__ h, int T,
+                  int d_ff, int K) {
     GRID_DEPENDENCY();
     extern __shared__ u8 smem_raw[];
     u8* sm = smem_raw + ((1024 - (gu_smem(smem_raw) & 1023)) & 1023);
@@ -195,7 +196,7 @@ gateup_swiglu_q4k(const u8* __restrict__ maps, u16* __restrict__ h, int T, int d
     if (threadIdx.x >= 256) {                       // the producer warpgroup
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
         if (threadIdx.x == 256) {
-            const u8 *xmap = maps, *gh = maps + 128, *gq = maps + 256, *uh = maps + 384, *uq = maps + 512;
+            const u8 *gh = wmaps, *gq = wmaps + 128, *uh = wmaps + 256, *uq = wmaps + 384;
             for (int kt = 0; kt < nk; ++kt) {
                 const int s = kt % GU_STAGES, use = kt / GU_STAGES;
                 if (use > 0) mb_wait(s_empty + 8 * s, (use - 1) & 1);

@@ -47,13 +47,12 @@ def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
               align16=True)                                                       # (T, d_ff)
     if T == 0:
         return h
-    maps = tma.device_maps((tma.map_2d(xh, TOKENS, 64, tma.SWIZZLE_128B),
-                            tma.map_2d(gate_raw, FEATURES, 16, tma.SWIZZLE_NONE),
-                            tma.map_2d(gate_raw, FEATURES, 32, tma.SWIZZLE_NONE),
-                            tma.map_2d(up_raw, FEATURES, 16, tma.SWIZZLE_NONE),
-                            tma.map_2d(up_raw, FEATURES, 32, tma.SWIZZLE_NONE)))
+    # X's map is made once per prompt length (and scratch), the weights' once per layer
+    xmap = tma.device_maps((tma.map_2d(xh, TOKENS, 64, tma.SWIZZLE_128B),))
+    wmaps = tma.device_maps(tuple(tma.map_2d(raw, FEATURES, box, tma.SWIZZLE_NONE)
+                                  for raw in (gate_raw, up_raw) for box in (16, 32)))
     fn = kernel(_FILE, "gateup_swiglu_q4k")
     fn.fn.max_dynamic_shared_size_bytes = K["GU_SMEM"]
     fn((d_ff // FEATURES, (T + TOKENS - 1) // TOKENS), (384,),
-       (maps, h, np.int32(T), np.int32(d_ff), np.int32(n_in)), shared_mem=K["GU_SMEM"])
+       (xmap, wmaps, h, np.int32(T), np.int32(d_ff), np.int32(n_in)), shared_mem=K["GU_SMEM"])
     return h
