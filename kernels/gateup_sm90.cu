@@ -13,9 +13,9 @@
 // thread turns the q4_K nibbles of its wgmma A fragments into f16 in registers
 // while the previous k-tile's products run, and SwiGLU is applied before anything
 // leaves the SM. A block converts its weight rows once for its 256 tokens, so the
-// conversions cost ceil(T / 256) times the weight: up to 256 tokens that is less
-// than the dequantization, beyond it more (docs/PERF.md 6.40); gemm.py's
-// gateup_fused decides the lengths.
+// conversions cost ceil(T / 256) times the weight: from ~128 to 256 tokens that is
+// less than the dequantization, beyond it more, and below ~128 the conversions are
+// most of the work (docs/PERF.md 6.40); gemm.py's gateup_fused decides the lengths.
 //
 // Block: 384 threads, one block an SM, 64 features f0.. of both weights x 256 tokens
 // m0...

@@ -16,9 +16,9 @@
                                        kept since load instead: nothing dequantized)
 
 A prompt's FFN on the f16 engine with q4_K gate and up, on a Hopper GPU, from
-GATEUP_FUSED_MIN_T to GATEUP_FUSED_MAX_T tokens: gate/up and SwiGLU in one kernel that reads the q4_K
-blocks (gateup.py, the same bits; gate and up still count q4k_f16, and the launch
-`gate/up fused`). `gateup_fused` decides.
+GATEUP_FUSED_MIN_T to GATEUP_FUSED_MAX_T tokens: gate/up and SwiGLU in one kernel
+that reads the q4_K blocks (gateup.py, the same bits; gate and up still count
+q4k_f16, and the launch `gate/up fused`). `gateup_fused` decides.
 
 A q6_K GEMM on either engine also counts where its B operand came from:
 `q6k exp` (the W_exp plane: the fast path), `q6k exp=off` (planes deliberately
