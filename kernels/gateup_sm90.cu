@@ -41,12 +41,12 @@
 
 typedef unsigned long long u64;
 
-#define GU_THREADS 384
 #define GU_X_BYTES (GU_TOKENS * 128)               // X tile: GU_TOKENS rows of 64 halves
 #define GU_H_BYTES (128 * 16)                      // headers: 128 rows (gate, up) x 16 B
 #define GU_Q_BYTES (128 * 32)                      // nibbles: 128 rows x 32 B
 #define GU_STAGE (GU_X_BYTES + GU_H_BYTES + GU_Q_BYTES)
 
+static_assert(GU_THREADS == 384, "warpgroups 0, 1 consume (threads < 256), warpgroup 2 produces");
 static_assert(GU_TOKENS == 256, "the wgmma below is m64n256: 256 tokens a block");
 static_assert(GU_FEATURES == 64, "a consumer warpgroup is wgmma's 64 rows");
 static_assert(GU_STAGE % 1024 == 0, "each stage's X tile starts on a 1024-byte swizzle atom");

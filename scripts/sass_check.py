@@ -41,9 +41,9 @@ FLASH90 = ROOT / "kernels" / "flash_attn_sm90.cu"
 # two blocks of FA90_WG warpgroups per SM (__launch_bounds__ of flash_attn_f16_sm90)
 MAX_REGS_FLASH90 = 65536 // (128 * K["FA90_WG"] * 2)
 GATEUP90 = ROOT / "kernels" / "gateup_sm90.cu"
-# one block of 384 threads per SM (__launch_bounds__ of gateup_swiglu_q4k; its
+# one block of GU_THREADS (384) per SM (__launch_bounds__ of gateup_swiglu_q4k; its
 # consumer warpgroups raise theirs with setmaxnreg) -> 168 (alloc granule 8)
-MAX_REGS_GATEUP90 = 65536 // 384 // 8 * 8
+MAX_REGS_GATEUP90 = 65536 // K["GU_THREADS"] // 8 * 8
 
 
 def demangle(sym: str) -> str:

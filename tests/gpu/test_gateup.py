@@ -5,7 +5,8 @@
         order, and the f16 roundings after it)
     against the f16 engine's chain (dequantize gate and up, one cuBLAS GEMM with
         f16 output, swiglu_f16 over its column blocks): the same bits, which is what
-        keeps the greedy streams (tests/golden) unchanged where the FFN takes it
+        keeps a greedy stream the same with the kernel on or off (scripts/gpu_check.sh
+        compares the 7B twin's on a prompt that takes it)
     the FFN (Gemms.ffn_f16) takes it where gemm.gateup_fused says, counts it, and
         gives the bits of the FFN without it
 

@@ -53,6 +53,6 @@ def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
                                   for raw in (gate_raw, up_raw) for box in (16, 32)))
     fn = kernel(_FILE, "gateup_swiglu_q4k")
     fn.fn.max_dynamic_shared_size_bytes = K["GU_SMEM"]
-    fn((d_ff // FEATURES, (T + TOKENS - 1) // TOKENS), (384,),
+    fn((d_ff // FEATURES, (T + TOKENS - 1) // TOKENS), (K["GU_THREADS"],),
        (xmap, wmaps, h, np.int32(T), np.int32(d_ff), np.int32(n_in)), shared_mem=K["GU_SMEM"])
     return h

@@ -78,6 +78,7 @@ KERNEL_CONSTANTS: dict[str, int] = {
     # chain a consumer warpgroup), k-tiles of 64 through GU_STAGES stages of X (256 x
     # 128 bytes) + headers (128 x 16) + nibbles (128 x 32); GU_SMEM adds two 8-byte
     # mbarriers a stage and 1 KB to align the ring to the swizzle's 1024-byte atoms
+    "GU_THREADS": 384,                                 # two consumer warpgroups + the producer's
     "GU_TOKENS": 256,
     "GU_FEATURES": 64,
     "GU_STAGES": 5,

@@ -8,7 +8,9 @@ the kernel reads them. Maps are cached by everything they encode (address, shape
 row stride, box, swizzle), so later calls and CUDA-graph replays on the same
 buffers reuse them. Making one copies to the device, which a graph capture cannot
 hold: a capture's warm run (graphs.py) makes every map the captured work needs
-first, and a map missing inside a capture is an error, not a silent copy.
+first, and a map missing inside a capture is an error, not a silent copy. The cache
+is never emptied: 128 bytes a map, a few per layer and one per prompt length (a
+stale entry still describes its address and shape correctly).
 """
 from __future__ import annotations
 
