@@ -95,9 +95,9 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
 # (gateup.py). Its blocks take 256 tokens and convert their weight rows once per
 # block, so its cost steps with ceil(T / 256) while the dequantization it replaces
 # costs the same at every length; below ~128 tokens the conversions are most of its
-# work. Measured on the H200, the 7B twin's forward (docs/PERF.md 6.40): 9% slower
-# at 32 tokens, level at 128, 11% and 7-9% faster at 192 and 256, 13-16% slower at
-# 384 and 640.
+# work. Measured on the H200, the 7B twin's forward (docs/PERF.md 6.40), tokens/s
+# against the chain: -8% at 32 tokens, level at 128, +12% at 192, +8-10% at 256,
+# -12% at 384, -14% at 640.
 GATEUP_FUSED_MIN_T = 128
 GATEUP_FUSED_MAX_T = 256
 
