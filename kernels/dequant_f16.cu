@@ -204,29 +204,49 @@ __device__ __forceinline__ float f16_to_f32(u32 h) {
 // gate, up (rows, cols) f16 -> y (rows, cols) f16 packed = silu(gate) * up, computed
 // in f32 as swiglu_f32 (elementwise.cu) and rounded once: the f16 FFN (gemm.py,
 // Gemms.ffn_f16) keeps its (T, d_ff) intermediates in f16, the precision the down
-// GEMM reads. gate's and up's rows are ld4 quads apart (the column blocks of one
-// GEMM's output over the concatenated gate/up weights: ld4 = 2 cols4; packed:
-// ld4 = cols4). 4 elements per thread (8-byte loads and stores), cols % 4 == 0;
-// grid x over a row's quads, grid y over the rows (r = blockIdx.y, + gridDim.y, ...),
-// so no thread divides to find its row.
+// GEMM reads. gate's and up's rows are ldv vectors apart (the column blocks of one
+// GEMM's output over the concatenated gate/up weights: ldv = 2 colsv; packed: ldv =
+// colsv). V elements a thread (V = 4: 8-byte loads and stores; V = 8: 16-byte ones,
+// which keep more bytes in flight per thread); cols % V == 0; grid x over a row's
+// vectors, grid y over the rows (r = blockIdx.y, + gridDim.y, ...), so no thread
+// divides to find its row. The same expression for every element whatever V.
+template <int V>
+struct F16Vec;
+template <> struct F16Vec<4> { typedef uint2 T; };
+template <> struct F16Vec<8> { typedef uint4 T; };
+
+template <int V>
+__device__ __forceinline__ void swiglu_f16_rows(const typename F16Vec<V>::T* __restrict__ gate,
+                                                const typename F16Vec<V>::T* __restrict__ up,
+                                                typename F16Vec<V>::T* __restrict__ y, int colsv,
+                                                long long ldv, int rows) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= colsv) return;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        const typename F16Vec<V>::T g = gate[r * ldv + c], u = up[r * ldv + c];
+        const u32* gw = (const u32*)&g;
+        const u32* uw = (const u32*)&u;
+        u32 o[V / 2];
+#pragma unroll
+        for (int k = 0; k < V / 2; ++k)
+            o[k] = f32x2_to_f16x2(silu_mul(f16_to_f32(gw[k] & 0xFFFF), f16_to_f32(uw[k] & 0xFFFF)),
+                                  silu_mul(f16_to_f32(gw[k] >> 16), f16_to_f32(uw[k] >> 16)));
+        y[(long long)r * colsv + c] = *(const typename F16Vec<V>::T*)o;
+    }
+}
+
 extern "C" __global__ void
 swiglu_f16(const uint2* __restrict__ gate, const uint2* __restrict__ up,
            uint2* __restrict__ y, int cols4, long long ld4, int rows) {
     GRID_DEPENDENCY();
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= cols4) return;
-    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
-        const uint2 g = gate[r * ld4 + c], u = up[r * ld4 + c];
-        float v[4];
-        const u32 gw[2] = {g.x, g.y}, uw[2] = {u.x, u.y};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float gf = f16_to_f32((gw[k >> 1] >> (16 * (k & 1))) & 0xFFFF);
-            const float uf = f16_to_f32((uw[k >> 1] >> (16 * (k & 1))) & 0xFFFF);
-            v[k] = silu_mul(gf, uf);
-        }
-        y[(long long)r * cols4 + c] = make_uint2(f32x2_to_f16x2(v[0], v[1]), f32x2_to_f16x2(v[2], v[3]));
-    }
+    swiglu_f16_rows<4>(gate, up, y, cols4, ld4, rows);
+}
+
+extern "C" __global__ void
+swiglu_f16_x8(const uint4* __restrict__ gate, const uint4* __restrict__ up,
+              uint4* __restrict__ y, int cols8, long long ld8, int rows) {
+    GRID_DEPENDENCY();
+    swiglu_f16_rows<8>(gate, up, y, cols8, ld8, rows);
 }
 
 #ifdef MINFER_SASS_INSTANTIATE

@@ -370,11 +370,12 @@ def _silu_mul_f16(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return (g32 / (np.float32(1) + np.exp(-g32)) * u32).astype(np.float16)
 
 
-@pytest.mark.parametrize("T,n", [(1, 4), (5, 36), (37, 1000)])
+@pytest.mark.parametrize("T,n", [(1, 4), (5, 36), (37, 1000), (3, 8)])
 def test_swiglu_f16_packed_and_over_column_blocks(cp, T, n):
     """swiglu_f16 against NumPy (within one f16 step: expf and np.exp may differ in the
     last f32 bit), and over the column blocks of one (T, 2n) matrix (the grouped
-    gate/up GEMM's output) bit for bit as over packed copies."""
+    gate/up GEMM's output) and over rows that allow only 4 elements a thread bit for
+    bit as over packed copies."""
     from minfer.backend.cuda import f16
     rng = np.random.default_rng(T * 7 + n)
     gu = (rng.standard_normal((T, 2 * n)) * 3).astype(np.float16)
@@ -385,6 +386,13 @@ def test_swiglu_f16_packed_and_over_column_blocks(cp, T, n):
                             out=cp.full((T, n), cp.nan, cp.float16))
     strided = f16.swiglu_f16(g, u, out=cp.full((T, n), cp.nan, cp.float16))
     assert _same(cp.asnumpy(strided), cp.asnumpy(packed))
+    # columns 4.. of a wider matrix: rows 8 bytes off 16-byte alignment, so the kernel
+    # takes 4 elements a thread where the packed copies (n % 8 == 0) took 8
+    wide = cp.zeros((T, 2 * n + 8), cp.float16)
+    wide[:, 4:4 + 2 * n] = both
+    shifted = f16.swiglu_f16(wide[:, 4:4 + n], wide[:, 4 + n:4 + 2 * n],
+                             out=cp.full((T, n), cp.nan, cp.float16))
+    assert _same(cp.asnumpy(shifted), cp.asnumpy(packed))
     want = _silu_mul_f16(gu[:, :n], gu[:, n:])
     got = cp.asnumpy(packed)
     step = np.abs(np.spacing(want.astype(np.float16))).astype(np.float32)

@@ -4,7 +4,8 @@
                                              through its W_exp plane -> W16 (n_out, n_in) f16
     dequant_f16_many                         the same for several weights, up to three a launch
     cast_f16         kernels/dequant_f16.cu  f32 -> f16 (round to nearest even), 4 per thread
-    swiglu_f16       kernels/dequant_f16.cu  silu(gate) * up on f16, computed in f32
+    swiglu_f16       kernels/dequant_f16.cu  silu(gate) * up on f16, computed in f32 (8 or 4
+                                             elements a thread, by alignment)
     linear_f16_from  dequant_f16 + gemm_w16: xh f16 (T, n_in) @ W^T
     gemm_w16         cublas.gemm_f16 [+ bias] on an f16 weight (the scratch, or a kept copy)
 
@@ -155,10 +156,14 @@ def swiglu_f16(gate, up, out=None):
             raise ValueError(f"swiglu_f16 {what}: device pointer {a.data.ptr:#x} is not 8-byte aligned")
     y = check(scratch_view(out, gate.shape, "swiglu_f16 out", cp.float16), "swiglu_f16 out",
               cp.float16, align16=True)
-    rows, cols4 = gate.shape[0], gate.shape[1] // 4
-    if rows and cols4:
-        kernel("dequant_f16.cu", "swiglu_f16")((blocks_1d(cols4), min(rows, MAX_GRID_Y)), (K["THREADS_1D"],),
-                                               (gate, up, y, np.int32(cols4), np.int64(ld // 4), np.int32(rows)))
+    # 8 elements a thread (16-byte accesses) where every row start allows it, else 4
+    v = 8 if (gate.shape[1] % 8 == 0 and ld % 8 == 0
+              and gate.data.ptr % 16 == 0 and up.data.ptr % 16 == 0) else 4
+    rows, colsv = gate.shape[0], gate.shape[1] // v
+    if rows and colsv:
+        kernel("dequant_f16.cu", "swiglu_f16_x8" if v == 8 else "swiglu_f16")(
+            (blocks_1d(colsv), min(rows, MAX_GRID_Y)), (K["THREADS_1D"],),
+            (gate, up, y, np.int32(colsv), np.int64(ld // v), np.int32(rows)))
     return y
 
 
