@@ -13,9 +13,10 @@
 // thread turns the q4_K nibbles of its wgmma A fragments into f16 in registers
 // while the previous k-tile's products run, and SwiGLU is applied before anything
 // leaves the SM. A block converts its weight rows once for its 256 tokens, so the
-// conversions cost ceil(T / 256) times the weight: from ~128 to 256 tokens that is
-// less than the dequantization, beyond it more, and below ~128 the conversions are
-// most of the work (docs/PERF.md 6.40); gemm.py's gateup_fused decides the lengths.
+// conversions cost ceil(T / 256) times the weight: with one or two nearly full block
+// rows that is less than the dequantization, with more rows or a mostly empty last
+// one it is more, and below ~128 tokens the conversions are most of the work
+// (docs/PERF.md 6.40, 6.43); gemm.py's gateup_fused decides the lengths.
 //
 // Block: 384 threads, one block an SM, 64 features f0.. of both weights x 256 tokens
 // m0...
@@ -127,28 +128,38 @@ __device__ __forceinline__ void gu_scale_min(const uint4& h, int i, int& sc, int
     else { sc = (sb(i + 4) & 0xF) | ((sb(i - 4) >> 6) << 4); m = (sb(i + 4) >> 4) | ((sb(i) >> 6) << 4); }
 }
 
+// One row's super-block header (16 bytes: d, dmin, the 12 scale bytes), with d and
+// dmin as f32: read once for the super-block's four k-tiles
+struct GuHeader { uint4 h; float d, dmin; };
+
+__device__ __forceinline__ GuHeader gu_header(const u8* hdr, int r) {
+    const uint4 h = *(const uint4*)(hdr + 16 * r);
+    return {h, f16_to_f32(h.x & 0xFFFF), f16_to_f32(h.x >> 16)};
+}
+
 // The A fragments of k-tile j (0..3) of a super-block for rows r0 and r0 + 8 of the
-// stage's 128 rows: a[kk] for the four k16 steps, in mma.m16n8k16's A layout (a0: row
-// g, k 2t, 2t+1; a1: row g+8; a2: row g, k 2t+8, 2t+9; a3: row g+8, k 2t+8..).
-// The k-tile is sub-blocks 2j (low nibbles of its 32 bytes: k16 steps 0, 1) and 2j+1
-// (high nibbles: steps 2, 3). Each value is dequant_f16.cu's q4k_group_f16 value,
-// f16(dl * q - ml) with dl = d * sc and ml = dmin * m: dl * q is exact in f32 (at
-// most 17 + 4 significant bits), so the fused multiply-add rounds where the
-// reference's subtraction does. The high nibbles stay in place (16 q) and meet
-// dl / 16, exact as well.
-__device__ __forceinline__ void gu_fragments(const u8* hdr, const u8* qs, int r0, int t, int j,
+// stage's 128 rows (their headers hd[0], hd[1]): a[kk] for the four k16 steps, in
+// mma.m16n8k16's A layout (a0: row g, k 2t, 2t+1; a1: row g+8; a2: row g, k 2t+8,
+// 2t+9; a3: row g+8, k 2t+8..). The k-tile is sub-blocks 2j (low nibbles of its 32
+// bytes: k16 steps 0, 1) and 2j+1 (high nibbles: steps 2, 3). Each value is
+// dequant_f16.cu's q4k_group_f16 value, f16(dl * q - ml) with dl = d * sc and ml =
+// dmin * m: dl * q is exact in f32 (at most 17 + 4 significant bits), so the fused
+// multiply-add rounds where the reference's subtraction does. The high nibbles stay
+// in place (16 q) and meet dl / 16, exact as well. j is a constant at every call
+// (the k-loop is unrolled by a super-block), so the scale unpacking folds to a few
+// shifts and masks.
+__device__ __forceinline__ void gu_fragments(const GuHeader (&hd)[2], const u8* qs, int r0, int t, int j,
                                              u32 (&a)[4][4]) {
 #pragma unroll
     for (int h8 = 0; h8 < 2; ++h8) {
         const int r = r0 + 8 * h8;
-        const uint4 h = *(const uint4*)(hdr + 16 * r);
         const u8* q = qs + 32 * r + 2 * t;
         const u32 w0 = (u32)*(const u16*)q | ((u32)*(const u16*)(q + 8) << 16);
         const u32 w1 = (u32)*(const u16*)(q + 16) | ((u32)*(const u16*)(q + 24) << 16);
         int sc_a, m_a, sc_b, m_b;
-        gu_scale_min(h, 2 * j, sc_a, m_a);
-        gu_scale_min(h, 2 * j + 1, sc_b, m_b);
-        const float d = f16_to_f32(h.x & 0xFFFF), dmin = f16_to_f32(h.x >> 16);
+        gu_scale_min(hd[h8].h, 2 * j, sc_a, m_a);
+        gu_scale_min(hd[h8].h, 2 * j + 1, sc_b, m_b);
+        const float d = hd[h8].d, dmin = hd[h8].dmin;
         const float dl_a = __fmul_rn(d, (float)sc_a), ml_a = __fmul_rn(dmin, (float)m_a);
         const float dl_b16 = __fmul_rn(d, (float)sc_b) * 0.0625f, ml_b = __fmul_rn(dmin, (float)m_b);
         const u32 lo0 = w0 & 0x0F0F0F0Fu, lo1 = w1 & 0x0F0F0F0Fu;
@@ -220,30 +231,46 @@ gateup_swiglu_q4k(const u8* __restrict__ xmap, const u8* __restrict__ wmaps, u16
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.f;
-    u32 a[4][4], an[4][4];
+    // the fragments of the k-tile in flight and of the next, by the k-tile's parity
+    // (a super-block has four, so the roles swap without copies)
+    u32 fr[2][4][4];
+    GuHeader hd[2];
     mb_wait(s_full, 0);
-    gu_fragments(sm + GU_X_BYTES, sm + GU_X_BYTES + GU_H_BYTES, r0, t, 0, a);
-    for (int kt = 0; kt < nk; ++kt) {
-        const int s = kt % GU_STAGES;
-        const u32 xb = s_ring + s * GU_STAGE;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+    hd[0] = gu_header(sm + GU_X_BYTES, r0);
+    hd[1] = gu_header(sm + GU_X_BYTES, r0 + 8);
+    gu_fragments(hd, sm + GU_X_BYTES + GU_H_BYTES, r0, t, 0, fr[0]);
+    int s = 0;                                      // the k-tile's stage
+    u32 phase = 0;                                  // the parity of its current use
+    for (int kt0 = 0; kt0 < nk; kt0 += 4) {         // a super-block (nk % 4 == 0)
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) gu_mma(d, a[kk], gu_desc(xb + 32 * kk));
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        if (kt + 1 < nk) {                          // the next k-tile's fragments meanwhile
-            const int s1 = (kt + 1) % GU_STAGES;
-            mb_wait(s_full + 8 * s1, ((kt + 1) / GU_STAGES) & 1);
-            const u8* st = sm + s1 * GU_STAGE + GU_X_BYTES;
-            gu_fragments(st, st + GU_H_BYTES, r0, t, (kt + 1) & 3, an);
+        for (int j = 0; j < 4; ++j) {
+            const int kt = kt0 + j;
+            u32 (&a)[4][4] = fr[j & 1];
+            const u64 desc = gu_desc(s_ring + s * GU_STAGE);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) gu_mma(d, a[kk], desc + 2 * kk);   // + 32 bytes
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            const int s1 = s + 1 == GU_STAGES ? 0 : s + 1;
+            const u32 phase1 = s1 == 0 ? phase ^ 1 : phase;
+            if (kt + 1 < nk) {                      // the next k-tile's fragments meanwhile
+                mb_wait(s_full + 8 * s1, phase1);
+                const u8* st = sm + s1 * GU_STAGE + GU_X_BYTES;
+                if (j == 3) {                       // the next super-block's headers
+                    hd[0] = gu_header(st, r0);
+                    hd[1] = gu_header(st, r0 + 8);
+                }
+                gu_fragments(hd, st + GU_H_BYTES, r0, t, (j + 1) & 3, fr[(j + 1) & 1]);
+            }
+            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            // the products read `a` until here: its registers must not be reused before
+            // (without this ptxas gave them to the next fragments' temporaries)
+#pragma unroll
+            for (int i = 0; i < 16; ++i) asm volatile("" ::"r"(a[i / 4][i % 4]) : "memory");
+            if (threadIdx.x % 128 == 0) mb_arrive(s_empty + 8 * s);
+            s = s1;
+            phase = phase1;
         }
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        // the products read `a` until here: its registers must not be reused before
-        // (without this ptxas gave them to the next fragments' temporaries)
-#pragma unroll
-        for (int i = 0; i < 16; ++i) asm volatile("" ::"r"(a[i / 4][i % 4]) : "memory");
-        if (threadIdx.x % 128 == 0) mb_arrive(s_empty + 8 * s);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) a[i / 4][i % 4] = an[i / 4][i % 4];
     }
 
     // epilogue: the sums as f16 tiles, gate's at the ring's start and up's after it
