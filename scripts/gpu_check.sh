@@ -175,7 +175,7 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             ab_step ab-graphs -p 512 --a MINFER_CUDA_GRAPHS=1 --b MINFER_CUDA_GRAPHS=0
         fi
         if [ "${AB_GATEUP:-1}" = 1 ]; then       # the fused q4_K gate/up + SwiGLU kernel vs the chain
-            ab_step ab-gateup -p 256 --a MINFER_GATEUP_FUSED=1 --b MINFER_GATEUP_FUSED=0
+            ab_step ab-gateup -p ${AB_GATEUP_TOKENS:-512} --a MINFER_GATEUP_FUSED=1 --b MINFER_GATEUP_FUSED=0
         fi
         if [ "${AB_FFN:-1}" = 1 ]; then          # f16 FFN intermediates vs f32, at 3325 tokens
             ab_step ab-ffn16 -p 3325 --a MINFER_FFN_F16=1 --b MINFER_FFN_F16=0

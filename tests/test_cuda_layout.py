@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from minfer.backend.cuda import cublas, dependent
-from minfer.backend.cuda.gemm import GATEUP_FUSED_MAX_T, GATEUP_FUSED_MIN_T, gateup_fused, gemm_path
+from minfer.backend.cuda.gemm import GATEUP_FUSED_LENGTHS, gateup_fused, gemm_path
 from minfer.backend.cuda.settings import F16_GEMM_MIN_T, CudaSettings
 from minfer.backend.cuda.weights import GpuWeight, expected_plane_bytes, is_plane_tensor, plane_check
 
@@ -74,13 +74,11 @@ def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
 
 @pytest.mark.parametrize("T,qtypes,d_ff,n_in,settings,has_f16,cc,want", [
     (256, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),           # the 7B
-    (512, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
+    (512, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),
+    (384, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
+    (3325, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
     (200, (QT.Q4_K, QT.Q4_K), 8960, 1536, {}, False, (9, 0), True),            # the 1.5B
-    (GATEUP_FUSED_MIN_T, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),
-    (GATEUP_FUSED_MIN_T - 1, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
     (2, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
-    (GATEUP_FUSED_MAX_T, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),
-    (GATEUP_FUSED_MAX_T + 1, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
     (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {"gateup_fused": False}, False, (9, 0), False),
     (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, True, (9, 0), False),            # f16 copies kept
     (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (8, 9), False),           # no sm_90a
@@ -93,6 +91,16 @@ def test_gateup_fused_decision(T, qtypes, d_ff, n_in, settings, has_f16, cc, wan
     gate = GpuWeight("blk.0.ffn_gate.weight", qtypes[0], d_ff, n_in, data=None)
     up = GpuWeight("blk.0.ffn_up.weight", qtypes[1], d_ff, n_in, data=None)
     assert gateup_fused(T, gate, up, CudaSettings(**settings), has_f16, cc) is want
+
+
+def test_gateup_fused_takes_exactly_its_lengths():
+    """Each range of GATEUP_FUSED_LENGTHS from its first length to its last, nothing
+    just outside, on the 7B's shapes."""
+    gate, up = (GpuWeight(f"blk.0.ffn_{n}.weight", QT.Q4_K, 18944, 3584, data=None) for n in ("gate", "up"))
+    assert GATEUP_FUSED_LENGTHS == tuple(sorted(GATEUP_FUSED_LENGTHS))
+    for lo, hi in GATEUP_FUSED_LENGTHS:
+        for T, want in ((lo - 1, False), (lo, True), ((lo + hi) // 2, True), (hi, True), (hi + 1, False)):
+            assert gateup_fused(T, gate, up, CudaSettings(), False, (9, 0)) is want, T
 
 
 def test_gemm_path_rejects_unsupported_types():

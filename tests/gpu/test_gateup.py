@@ -20,7 +20,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from minfer.backend.cuda.gemm import GATEUP_FUSED_MAX_T, GATEUP_FUSED_MIN_T
+from minfer.backend.cuda.gemm import GATEUP_FUSED_LENGTHS
 
 from .test_mmq import _acts, _info, _weights
 
@@ -97,7 +97,8 @@ def test_gateup_kernel_equals_the_f16_engine_chain(cp, T, K, d_ff):
         f"{np.sum(got.view(np.uint16) != want.view(np.uint16))} of {got.size} differ"
 
 
-@pytest.mark.parametrize("T", [GATEUP_FUSED_MIN_T, 201, 256])
+# each range's ends and a length inside
+@pytest.mark.parametrize("T", sorted({t for lo, hi in GATEUP_FUSED_LENGTHS for t in (lo, (lo + hi) // 2 + 1, hi)}))
 def test_ffn_takes_the_fused_kernel_with_the_same_bits(cp, cuda_linears, T):
     d, d_ff = 512, 1280
     runs = {}
@@ -113,13 +114,13 @@ def test_ffn_takes_the_fused_kernel_with_the_same_bits(cp, cuda_linears, T):
         y = gemm.ffn_f16(xh, *ws, residual=res)
         runs[fused] = (cp.asnumpy(y), dict(gemm.counters.counts))
     (y1, c1), (y0, c0) = runs[True], runs[False]
-    assert GATEUP_FUSED_MIN_T <= T <= GATEUP_FUSED_MAX_T
+    assert any(lo <= T <= hi for lo, hi in GATEUP_FUSED_LENGTHS)
     assert c1["gate/up fused"] == 1 and c0["gate/up fused"] == 0
     assert c1["q4k_f16"] == c0["q4k_f16"] == 2 and c1["q6k exp"] == c0["q6k exp"] == 1
     assert np.array_equal(y1.view(np.uint32), y0.view(np.uint32))
 
 
-@pytest.mark.parametrize("T", [GATEUP_FUSED_MIN_T - 1, GATEUP_FUSED_MAX_T + 1])
+@pytest.mark.parametrize("T", sorted({t for lo, hi in GATEUP_FUSED_LENGTHS for t in (lo - 1, hi + 1)}))
 def test_ffn_outside_its_lengths_takes_the_chain(cp, cuda_linears, T):
     d, d_ff = 256, 256
     st, gemm = cuda_linears()

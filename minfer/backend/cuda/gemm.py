@@ -15,8 +15,8 @@
                                        (with settings.f16_weights, the GEMM reads the f16 copy
                                        kept since load instead: nothing dequantized)
 
-A prompt's FFN on the f16 engine with q4_K gate and up, on a Hopper GPU, from
-GATEUP_FUSED_MIN_T to GATEUP_FUSED_MAX_T tokens: gate/up and SwiGLU in one kernel
+A prompt's FFN on the f16 engine with q4_K gate and up, on a Hopper GPU, at the
+lengths of GATEUP_FUSED_LENGTHS: gate/up and SwiGLU in one kernel
 that reads the q4_K blocks (gateup.py, the same bits; gate and up still count
 q4k_f16, and the launch `gate/up fused`). `gateup_fused` decides.
 
@@ -92,23 +92,23 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
 
 
 # The prompt lengths whose FFN runs gate/up + SwiGLU in the fused q4_K kernel
-# (gateup.py). Its blocks take 256 tokens and convert their weight rows once per
-# block, so its cost steps with ceil(T / 256) while the dequantization it replaces
-# costs the same at every length; below ~128 tokens the conversions are most of its
-# work. Measured on the H200, the 7B twin's forward (docs/PERF.md 6.40), tokens/s
-# against the chain: -8% at 32 tokens, level at 128, +12% at 192, +8-10% at 256,
-# -12% at 384, -14% at 640.
-GATEUP_FUSED_MIN_T = 128
-GATEUP_FUSED_MAX_T = 256
+# (gateup.py), as inclusive ranges. Its blocks take 256 tokens and convert their
+# weight rows once per block, so its cost steps with ceil(T / 256) while the chain it
+# replaces (dequantization, cuBLAS, SwiGLU) grows with T: it wins where its last block
+# row is nearly full and there are few rows; below ~128 tokens the conversions are most
+# of its work. Measured on the H200, the 7B twin's forward (docs/PERF.md 6.40, 6.43),
+# tokens/s against the chain: -8% at 32 tokens, level at 128, +12% at 192, +8-10% at
+# 256, -9% at 384, +2.3% at 448, +2.4% at 480, +4.0-4.8% at 512, level at 768, -1% at
+# 1,024, -10% at 3,325.
+GATEUP_FUSED_LENGTHS = ((128, 256), (448, 512))
 
 
 def gateup_fused(T: int, gate: GpuWeight, up: GpuWeight, settings: CudaSettings, has_f16: bool,
                  cc: tuple[int, int]) -> bool:
     """Does the f16-engine FFN of T tokens take the fused gate/up + SwiGLU kernel? Not
-    when it is turned off, outside GATEUP_FUSED_MIN_T..GATEUP_FUSED_MAX_T, with kept
-    f16 copies (nothing to dequantize), or for weights or a GPU the kernel does not
-    fit. Pure."""
-    return (settings.gateup_fused and GATEUP_FUSED_MIN_T <= T <= GATEUP_FUSED_MAX_T and not has_f16
+    when it is turned off, outside GATEUP_FUSED_LENGTHS, with kept f16 copies (nothing
+    to dequantize), or for weights or a GPU the kernel does not fit. Pure."""
+    return (settings.gateup_fused and any(lo <= T <= hi for lo, hi in GATEUP_FUSED_LENGTHS) and not has_f16
             and gate.n_out == up.n_out and gate.n_in == up.n_in
             and gateup.fits((gate.qtype, up.qtype), gate.n_out, gate.n_in, cc))
 
