@@ -13,6 +13,8 @@ gemm.py (gateup_fused) decides when it runs.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
@@ -33,6 +35,15 @@ def fits(qtypes, d_ff: int, n_in: int, cc: tuple[int, int]) -> bool:
             and n_in > 0 and n_in % QK_K == 0 and tuple(cc) == ARCH_SPECIFIC[_FILE][1])
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel(device_id: int):
+    """gateup_swiglu_q4k, opted in (once per device) to its > 48 KB of dynamic shared
+    memory."""
+    fn = kernel(_FILE, "gateup_swiglu_q4k")
+    fn.fn.max_dynamic_shared_size_bytes = K["GU_SMEM"]
+    return fn
+
+
 def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
     """xh f16 (T, n_in), gate_raw / up_raw uint8 (d_ff, n_in/256*144) q4_K blocks as
     stored -> h f16 (T, d_ff) (into out when given)."""
@@ -51,8 +62,7 @@ def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
     xmap = tma.device_maps((tma.map_2d(xh, TOKENS, 64, tma.SWIZZLE_128B),))
     wmaps = tma.device_maps(tuple(tma.map_2d(raw, FEATURES, box, tma.SWIZZLE_NONE)
                                   for raw in (gate_raw, up_raw) for box in (16, 32)))
-    fn = kernel(_FILE, "gateup_swiglu_q4k")
-    fn.fn.max_dynamic_shared_size_bytes = K["GU_SMEM"]
+    fn = _kernel(cp.cuda.Device().id)
     fn((d_ff // FEATURES, (T + TOKENS - 1) // TOKENS), (K["GU_THREADS"],),
        (xmap, wmaps, h, np.int32(T), np.int32(d_ff), np.int32(n_in)), shared_mem=K["GU_SMEM"])
     return h
