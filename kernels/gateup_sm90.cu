@@ -18,11 +18,13 @@
 // one it is more, and below ~128 tokens the conversions are most of the work
 // (docs/PERF.md 6.40, 6.43); gemm.py's gateup_fused decides the lengths.
 //
-// Block: 384 threads, one block an SM, 64 features f0.. of both weights x 256 tokens
-// m0...
+// Block: 384 threads, one block an SM, a tile of 64 features f0.. of both weights x
+// 256 tokens m0.. (or a half tile of 128 tokens in the grid's last wave: see the
+// kernel's comment)
 //   warpgroup 0: gate rows f0..f0+63, warpgroup 1: up rows f0..f0+63. wgmma
-//     m64n256k16: A = the 64 rows' dequantized fragments (registers), B = the X tile
-//     (tokens as N, K-major, 128-byte swizzle), 128 f32 accumulators a thread.
+//     m64n256k16 (m64n128k16 for a half tile): A = the 64 rows' dequantized fragments
+//     (registers), B = the X tile (tokens as N, K-major, 128-byte swizzle), 128 f32
+//     accumulators a thread (64).
 //   warpgroup 2: one thread issues the TMA copies. setmaxnreg hands its registers to
 //     the consumers (40 a thread here, 232 there: the accumulators, two sets of A
 //     fragments and the conversion fit without spills).
@@ -33,7 +35,7 @@
 // arrived) and `empty` (both consumer warpgroups are done with it).
 //
 // Epilogue: once both consumers are done with the ring, each writes its sums rounded
-// to f16 as a [256 tokens][64 features] tile into the ring's first 64 KB (16-byte
+// to f16 as a [256 (128) tokens][64 features] tile into the ring's first 64 KB (16-byte
 // chunks swizzled by token, so the fragment stores do not collide on banks); then
 // the 256 consumer threads each take 16-byte chunks of a token's features: 8 gate
 // and 8 up values in, 8 h values out, one 16-byte store.
@@ -48,7 +50,7 @@ typedef unsigned long long u64;
 #define GU_STAGE (GU_X_BYTES + GU_H_BYTES + GU_Q_BYTES)
 
 static_assert(GU_THREADS == 384, "warpgroups 0, 1 consume (threads < 256), warpgroup 2 produces");
-static_assert(GU_TOKENS == 256, "the wgmma below is m64n256: 256 tokens a block");
+static_assert(GU_TOKENS == 256, "a whole tile is one wgmma m64n256 chain (256 tokens), a half tile m64n128");
 static_assert(GU_FEATURES == 64, "a consumer warpgroup is wgmma's 64 rows");
 static_assert(GU_STAGE % 1024 == 0, "each stage's X tile starts on a 1024-byte swizzle atom");
 static_assert(GU_SMEM == GU_STAGES * GU_STAGE + 16 * GU_STAGES + 1024, "shared layout: ring, barriers, alignment");
@@ -106,6 +108,19 @@ __device__ __forceinline__ void gu_mma(float (&d)[128], const u32 (&a)[4], u64 b
         "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
         "{%128,%129,%130,%131}, %132, 1, 1, 1, 0;\n"
         : GU_F32(d, 0), GU_F32(d, 32), GU_F32(d, 64), GU_F32(d, 96)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// the same for a 128-token tile: d (64 rows x 128 tokens) += A * B (16 x 128)
+__device__ __forceinline__ void gu_mma(float (&d)[64], const u32 (&a)[4], u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "{%64,%65,%66,%67}, %68, 1, 1, 1, 0;\n"
+        : GU_F32(d, 0), GU_F32(d, 32)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
@@ -184,53 +199,17 @@ __device__ __forceinline__ int gu_tile_at(int tok, int feat) {
     return tok * 128 + ((((feat >> 3) ^ tok) & 7) << 4) + 2 * (feat & 7);
 }
 
-// xmap: the 2-D tensor map (CUtensorMap, 128 bytes, in global memory) of X (T x K
-// f16, box 64 x 256, 128-byte swizzle); wmaps: four more, gate's and then up's bytes
-// (rows x K/256*144) in boxes of 16 x 64 (headers) and 32 x 64 (nibbles).
-// h: (T, d_ff) f16. grid (d_ff / 64, ceil(T / 256)), block GU_THREADS, GU_SMEM bytes
-// of dynamic shared memory. K % 256 == 0.
-extern "C" __global__ void __launch_bounds__(GU_THREADS, 1)
-gateup_swiglu_q4k(const u8* __restrict__ xmap, const u8* __restrict__ wmaps, u16* __restrict__ h, int T,
-                  int d_ff, int K) {
-    GRID_DEPENDENCY();
-    extern __shared__ u8 smem_raw[];
-    u8* sm = smem_raw + ((1024 - (gu_smem(smem_raw) & 1023)) & 1023);
-    const u32 s_ring = gu_smem(sm), s_full = s_ring + GU_STAGES * GU_STAGE, s_empty = s_full + 8 * GU_STAGES;
-    const int nk = K / 64;
-    const int f0 = blockIdx.x * GU_FEATURES, m0 = blockIdx.y * GU_TOKENS;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < GU_STAGES; ++s) { mb_init(s_full + 8 * s, 1); mb_init(s_empty + 8 * s, 2); }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-
-    if (threadIdx.x >= 256) {                       // the producer warpgroup
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-        if (threadIdx.x == 256) {
-            const u8 *gh = wmaps, *gq = wmaps + 128, *uh = wmaps + 256, *uq = wmaps + 384;
-            for (int kt = 0; kt < nk; ++kt) {
-                const int s = kt % GU_STAGES, use = kt / GU_STAGES;
-                if (use > 0) mb_wait(s_empty + 8 * s, (use - 1) & 1);
-                const u32 full = s_full + 8 * s, x = s_ring + s * GU_STAGE;
-                const u32 hd = x + GU_X_BYTES, qd = hd + GU_H_BYTES;
-                const int blk = (kt >> 2) * Q4K_BYTES, nib = blk + Q4K_QS + 32 * (kt & 3);
-                mb_expect_tx(full, GU_STAGE);
-                tma_load_2d(x, xmap, kt * 64, m0, full);
-                tma_load_2d(hd, gh, blk, f0, full);
-                tma_load_2d(hd + 64 * 16, uh, blk, f0, full);
-                tma_load_2d(qd, gq, nib, f0, full);
-                tma_load_2d(qd + 64 * 32, uq, nib, f0, full);
-            }
-        }
-        return;
-    }
-
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+// A consumer warpgroup of a tile of NT tokens (256, or 128 in a grid's last wave):
+// the products of its weight's 64 rows (c: 0 gate, 1 up) with the stages' X tiles,
+// then the epilogue (both warpgroups): h for tokens m0.. and features f0..
+template <int NT>
+__device__ __forceinline__ void gu_consume(u8* sm, u32 s_ring, u32 s_full, u32 s_empty, int nk, u16* __restrict__ h,
+                                           int T, int d_ff, int f0, int m0) {
     const int c = threadIdx.x / 128, w = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4, r0 = 64 * c + 16 * w + g;     // c: 0 gate, 1 up
-    float d[128];
+    float d[NT / 2];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    for (int i = 0; i < NT / 2; ++i) d[i] = 0.f;
     // the fragments of the k-tile in flight and of the next, by the k-tile's parity
     // (a super-block has four, so the roles swap without copies)
     u32 fr[2][4][4];
@@ -278,10 +257,10 @@ gateup_swiglu_q4k(const u8* __restrict__ xmap, const u8* __restrict__ wmaps, u16
     // the ring was last written by the copies and read by the products (the async
     // proxy); the generic stores below come after both
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    u8* tile = sm + c * (GU_TOKENS * GU_FEATURES * 2);
+    u8* tile = sm + c * (NT * GU_FEATURES * 2);
     // d[4n + 2hh + e] = D[16w + 8hh + g][8n + 2t + e]: (feature, token)
 #pragma unroll
-    for (int n = 0; n < 32; ++n)
+    for (int n = 0; n < NT / 8; ++n)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -289,9 +268,9 @@ gateup_swiglu_q4k(const u8* __restrict__ xmap, const u8* __restrict__ wmaps, u16
                 *(u16*)(tile + gu_tile_at(8 * n + 2 * t + e, 16 * w + 8 * hh + g)) = (u16)f16_bits_rn(d[4 * n + 2 * hh + e]);
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
     const u8* gt = sm;
-    const u8* ut = sm + GU_TOKENS * GU_FEATURES * 2;
+    const u8* ut = sm + NT * GU_FEATURES * 2;
 #pragma unroll 2
-    for (int i = threadIdx.x; i < GU_TOKENS * 8; i += 256) {
+    for (int i = threadIdx.x; i < NT * 8; i += 256) {
         const int tok = i >> 3, chunk = i & 7;
         if (m0 + tok >= T) break;                   // i grows with the token
         const int at = gu_tile_at(tok, 8 * chunk);
@@ -304,6 +283,64 @@ gateup_swiglu_q4k(const u8* __restrict__ xmap, const u8* __restrict__ wmaps, u16
                                   silu_mul(f16_to_f32(gw[k] >> 16), f16_to_f32(uw[k] >> 16)));
         *(uint4*)(h + (long long)(m0 + tok) * d_ff + f0 + 8 * chunk) = make_uint4(o[0], o[1], o[2], o[3]);
     }
+}
+
+// xmaps: two 2-D tensor maps (CUtensorMap, 128 bytes each, in global memory) of X (T
+// x K f16, 128-byte swizzle) in boxes of 64 x 256 and 64 x 128; wmaps: four more,
+// gate's and then up's bytes (rows x K/256*144) in boxes of 16 x 64 (headers) and 32
+// x 64 (nibbles). h: (T, d_ff) f16. K % 256 == 0.
+// The tiles: 64 features x 256 tokens, numbered feature block first (d_ff / 64 a row
+// of 256 tokens); blocks 0 .. n_full-1 take tiles 0 .. n_full-1, and each later block
+// half of one of the remaining tiles (128 tokens), so a last wave that would hold
+// few whole tiles holds twice as many half tiles instead (gateup.py's tiling decides
+// n_full). grid n_full + 2 (tiles - n_full), block GU_THREADS, GU_SMEM bytes of
+// dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(GU_THREADS, 1)
+gateup_swiglu_q4k(const u8* __restrict__ xmaps, const u8* __restrict__ wmaps, u16* __restrict__ h, int T,
+                  int d_ff, int K, int n_full) {
+    GRID_DEPENDENCY();
+    const int nf = d_ff / GU_FEATURES;
+    const bool whole = (int)blockIdx.x < n_full;
+    const int tile = whole ? blockIdx.x : n_full + (blockIdx.x - n_full) / 2;
+    const int f0 = (tile % nf) * GU_FEATURES;
+    const int m0 = (tile / nf) * GU_TOKENS + (whole ? 0 : (blockIdx.x - n_full) % 2 * (GU_TOKENS / 2));
+    if (m0 >= T) return;                            // a half tile past the prompt's end
+    extern __shared__ u8 smem_raw[];
+    u8* sm = smem_raw + ((1024 - (gu_smem(smem_raw) & 1023)) & 1023);
+    const u32 s_ring = gu_smem(sm), s_full = s_ring + GU_STAGES * GU_STAGE, s_empty = s_full + 8 * GU_STAGES;
+    const int nk = K / 64;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GU_STAGES; ++s) { mb_init(s_full + 8 * s, 1); mb_init(s_empty + 8 * s, 2); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (threadIdx.x >= 256) {                       // the producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+        if (threadIdx.x == 256) {
+            const u8* xmap = whole ? xmaps : xmaps + 128;
+            const u32 bytes = whole ? GU_STAGE : GU_STAGE - GU_X_BYTES / 2;
+            const u8 *gh = wmaps, *gq = wmaps + 128, *uh = wmaps + 256, *uq = wmaps + 384;
+            for (int kt = 0; kt < nk; ++kt) {
+                const int s = kt % GU_STAGES, use = kt / GU_STAGES;
+                if (use > 0) mb_wait(s_empty + 8 * s, (use - 1) & 1);
+                const u32 full = s_full + 8 * s, x = s_ring + s * GU_STAGE;
+                const u32 hd = x + GU_X_BYTES, qd = hd + GU_H_BYTES;
+                const int blk = (kt >> 2) * Q4K_BYTES, nib = blk + Q4K_QS + 32 * (kt & 3);
+                mb_expect_tx(full, bytes);
+                tma_load_2d(x, xmap, kt * 64, m0, full);
+                tma_load_2d(hd, gh, blk, f0, full);
+                tma_load_2d(hd + 64 * 16, uh, blk, f0, full);
+                tma_load_2d(qd, gq, nib, f0, full);
+                tma_load_2d(qd + 64 * 32, uq, nib, f0, full);
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    if (whole) gu_consume<GU_TOKENS>(sm, s_ring, s_full, s_empty, nk, h, T, d_ff, f0, m0);
+    else gu_consume<GU_TOKENS / 2>(sm, s_ring, s_full, s_empty, nk, h, T, d_ff, f0, m0);
 }
 
 #ifdef MINFER_SASS_INSTANTIATE

@@ -93,6 +93,20 @@ def test_gateup_fused_decision(T, qtypes, d_ff, n_in, settings, has_f16, cc, wan
     assert gateup_fused(T, gate, up, CudaSettings(**settings), has_f16, cc) is want
 
 
+@pytest.mark.parametrize("T,d_ff,n_sm,want", [
+    (512, 18944, 132, (528, 656)),      # the 7B: 592 tiles, a last wave of 64 -> 128 half tiles
+    (256, 18944, 132, (264, 328)),      # 296 tiles, 32 -> 64
+    (3325, 18944, 132, (3828, 3868)),   # 3,848 tiles, 20 -> 40
+    (700, 4480, 132, (210, 210)),       # 210 tiles: a last wave of 78, more than half
+    (512, 64 * 132, 132, (264, 264)),   # whole waves
+    (100, 320, 132, (0, 10)),           # 5 tiles, all halved
+    (200, 8960, 114, (114, 166)),       # 140 tiles on 114 SMs: 26 -> 52
+])
+def test_gateup_tiling(T, d_ff, n_sm, want):
+    from minfer.backend.cuda.gateup import tiling
+    assert tiling(T, d_ff, n_sm) == want
+
+
 def test_gateup_fused_takes_exactly_its_lengths():
     """Each range of GATEUP_FUSED_LENGTHS from its first length to its last, nothing
     just outside, on the 7B's shapes."""

@@ -11,7 +11,9 @@
         gives the bits of the FFN without it
 
 Irregular token counts (tails of the 256-token tiles, a single tile, several),
-feature counts of a few 64-feature blocks; outputs poisoned with NaN first.
+feature counts of a few 64-feature blocks (grids of half tiles only), and feature
+counts set by the GPU's SM count so that a grid holds whole tiles only, or whole
+tiles and a last wave of half tiles (gateup.tiling); outputs poisoned with NaN first.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from .test_mmq import _acts, _info, _weights
 
 pytestmark = pytest.mark.gpu
 
-# one 256-token block, several (the kernel takes any T; gemm.py calls it up to 256)
+# one 256-token block, several (the kernel takes any T; gemm.py decides where it runs)
 SHAPES = [(2, 256, 64), (29, 512, 768), (255, 1536, 192), (256, 256, 128), (257, 768, 128),
           (700, 512, 320)]
 
@@ -92,6 +94,25 @@ def test_gateup_kernel_against_numpy(cp, T, K, d_ff):
 @pytest.mark.parametrize("T,K,d_ff", SHAPES)
 def test_gateup_kernel_equals_the_f16_engine_chain(cp, T, K, d_ff):
     gate, up, x16 = _case(cp, T, K, d_ff, seed=3 * T + d_ff)
+    got, want = _fused(cp, gate, up, x16), _chain(cp, gate, up, x16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), \
+        f"{np.sum(got.view(np.uint16) != want.view(np.uint16))} of {got.size} differ"
+
+
+@pytest.mark.parametrize("kind", ["whole", "whole and half"])
+def test_gateup_grids_of_whole_and_half_tiles(cp, kind):
+    """d_ff from this GPU's SM count: 3 rows of 256 tokens over 0.6 n_sm feature blocks
+    (a last wave too full to split: whole tiles only), or 2 rows over n_sm + 8 (a last
+    wave of 16 tiles: 32 half tiles, those past T = 300 leaving at once). The bits of
+    the chain either way."""
+    from minfer.backend.cuda import gateup
+    n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
+    T, nf = (700, -(-3 * n_sm // 5)) if kind == "whole" else (300, n_sm + 8)
+    K, d_ff = 256, 64 * nf
+    tiles = nf * -(-T // 256)
+    whole, blocks = gateup.tiling(T, d_ff, n_sm)
+    assert (whole, blocks) == ((tiles, tiles) if kind == "whole" else (tiles - 16, tiles + 16))
+    gate, up, x16 = _case(cp, T, K, d_ff, seed=nf)
     got, want = _fused(cp, gate, up, x16), _chain(cp, gate, up, x16)
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), \
         f"{np.sum(got.view(np.uint16) != want.view(np.uint16))} of {got.size} differ"

@@ -4,6 +4,7 @@ reads the q4_K blocks (kernels/gateup_sm90.cu):
     gateup_swiglu_q4k   xh f16 (T, K) with gate, up q4_K (d_ff, K) as stored
                         -> h = f16(silu(f16(xh G^T)) * f16(xh U^T)) f16 (T, d_ff)
     fits                can the kernel take these weights on this GPU?
+    tiling              its whole (256-token) and half tiles for a grid of T tokens
 
 Numerics: the f16 engine's (f16.py: each weight the f16 of its dequantized value,
 products exact, f32 sums, the GEMM's output rounded to f16, swiglu_f16's
@@ -35,6 +36,24 @@ def fits(qtypes, d_ff: int, n_in: int, cc: tuple[int, int]) -> bool:
             and n_in > 0 and n_in % QK_K == 0 and tuple(cc) == ARCH_SPECIFIC[_FILE][1])
 
 
+def tiling(T: int, d_ff: int, n_sm: int) -> tuple[int, int]:
+    """(whole tiles, blocks) of the kernel's grid for T tokens on a GPU of n_sm SMs (one
+    block an SM). Its tiles are 64 features x 256 tokens and take about the same time,
+    so the grid runs in waves of n_sm; a last wave of r <= n_sm / 2 tiles would leave
+    most SMs idle while each of its tiles runs its whole time, so those r tiles run
+    as 2r half tiles (128 tokens: the same conversions, half the products) on twice
+    as many SMs. Blocks = whole + 2 * (tiles - whole). Pure."""
+    tiles = d_ff // FEATURES * -(-T // TOKENS)
+    last = tiles % n_sm
+    whole = tiles - last if 0 < 2 * last <= n_sm else tiles
+    return whole, whole + 2 * (tiles - whole)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(device_id: int):
     """gateup_swiglu_q4k, opted in (once per device) to its > 48 KB of dynamic shared
@@ -58,11 +77,14 @@ def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
               align16=True)                                                       # (T, d_ff)
     if T == 0:
         return h
-    # X's map is made once per prompt length (and scratch), the weights' once per layer
-    xmap = tma.device_maps((tma.map_2d(xh, TOKENS, 64, tma.SWIZZLE_128B),))
+    # X's maps (whole and half tiles) are made once per prompt length (and scratch),
+    # the weights' once per layer
+    xmaps = tma.device_maps(tuple(tma.map_2d(xh, rows, 64, tma.SWIZZLE_128B) for rows in (TOKENS, TOKENS // 2)))
     wmaps = tma.device_maps(tuple(tma.map_2d(raw, FEATURES, box, tma.SWIZZLE_NONE)
                                   for raw in (gate_raw, up_raw) for box in (16, 32)))
-    fn = _kernel(cp.cuda.Device().id)
-    fn((d_ff // FEATURES, (T + TOKENS - 1) // TOKENS), (K["GU_THREADS"],),
-       (xmap, wmaps, h, np.int32(T), np.int32(d_ff), np.int32(n_in)), shared_mem=K["GU_SMEM"])
+    dev = cp.cuda.Device().id
+    whole, blocks = tiling(T, d_ff, _sm_count(dev))
+    _kernel(dev)((blocks,), (K["GU_THREADS"],),
+                 (xmaps, wmaps, h, np.int32(T), np.int32(d_ff), np.int32(n_in), np.int32(whole)),
+                 shared_mem=K["GU_SMEM"])
     return h
