@@ -11,7 +11,10 @@ with the logits' device-to-host copy. Each test runs twice untimed (warm-up:
 kernel compilation, memory pool growth; on the CUDA backend the first use of a
 prompt length runs eagerly and the second captures the decoder layers into a
 CUDA graph, which the timed repetitions replay; MINFER_CUDA_GRAPHS=0 times the
-eager path instead), then r timed repetitions; prompt ids are seeded random ids
+eager path instead), then at once its r timed repetitions, as llama-bench does:
+a test is not timed in the state the one before it left (the GPU's clocks follow
+its recent power draw: a 512-token prefill timed right after 3,325-token ones ran
+~10% slower, docs/PERF.md 6.44); prompt ids are seeded random ids
 in the vocabulary; every prefill starts at position 0 of one cache allocated
 once, so each repetition overwrites the same positions. The bench uses only
 the Backend interface (timer, counters, memory_report, memory_check, device_info).
@@ -135,23 +138,29 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
 
     prompts = {P: prompt_ids(vocab, P, seed + i) for i, P in enumerate(lengths)}
     dprompts = {d: prompt_ids(vocab, d, seed + len(lengths) + i) for i, d in enumerate(depths)}
-    for tokens in prompts.values():                                     # warm-up, untimed:
-        for _ in range(2):                                              # eager, then capture
-            time_prefill(engine, cache, tokens, timer)
-    if n_decode:
-        for dprompt in dprompts.values():
-            time_decode(engine, cache, dprompt, min(n_decode, 4), timer)
-    be.reset_counters()                        # count the timed launches only
+    counts: dict[str, int] = {}
 
+    def timed(run) -> list[float]:
+        """reps timed runs; their launches (and only theirs) added to counts."""
+        be.reset_counters()
+        secs = [run() for _ in range(reps)]
+        for k, v in (be.counters() or {}).items():
+            counts[k] = counts.get(k, 0) + v
+        return secs
+
+    # each test's warm-up right before its repetitions (as llama-bench does), so what
+    # ran before it does not set the state it is timed in (the GPU's clocks follow
+    # its recent power draw)
     tests = {}
     for P, tokens in prompts.items():
-        tests[f"pp{P}"] = summary(P, [time_prefill(engine, cache, tokens, timer) for _ in range(reps)],
-                                  n_prompt=P)
+        for _ in range(2):                                              # warm-up, untimed:
+            time_prefill(engine, cache, tokens, timer)                  # eager, then capture
+        tests[f"pp{P}"] = summary(P, timed(lambda: time_prefill(engine, cache, tokens, timer)), n_prompt=P)
     for d, dprompt in dprompts.items() if n_decode else ():
+        time_decode(engine, cache, dprompt, min(n_decode, 4), timer)     # warm-up, untimed
         name = f"tg{n_decode}" + ("" if d == DECODE_DEPTH else f" @ d{d}")
-        tests[name] = summary(
-            n_decode, [time_decode(engine, cache, dprompt, n_decode, timer) for _ in range(reps)],
-            n_gen=n_decode, n_depth=d)
+        tests[name] = summary(n_decode, timed(lambda: time_decode(engine, cache, dprompt, n_decode, timer)),
+                              n_gen=n_decode, n_depth=d)
 
     gf = engine.gf
     info = be.device_info()
@@ -172,7 +181,7 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
         "tests": tests,
         "memory": be.memory_report(cache),
         "memory_check": be.memory_check(gf.tensors),
-        "counters": be.counters(),
+        "counters": counts if be.counters() is not None else None,
     }
 
 
