@@ -71,6 +71,23 @@ __device__ __forceinline__ float load_f16(const u8* p) {
     return f16_to_f32((u16)(p[0] | (p[1] << 8)));
 }
 
+// byte k (0..3) of a 32-bit word
+__device__ __forceinline__ u32 byte_of(u32 w, int k) { return (w >> (8 * k)) & 0xFF; }
+
+// ggml get_scale_min_k4 on the 12 packed scale bytes of a q4_K block held in
+// registers as words s0 = bytes 0..3, s1 = 4..7, s2 = 8..11: sub-block j (0..7) ->
+// 6-bit (sc, m). The kernels that have the block's header in registers use this one;
+// q4k_scale_min below is the same on the bytes in memory.
+__device__ __forceinline__ void q4k_scale_min_words(u32 s0, u32 s1, u32 s2, int j, int& sc, int& m) {
+    if (j < 4) {
+        sc = byte_of(s0, j) & 63;
+        m = byte_of(s1, j) & 63;
+    } else {
+        sc = (byte_of(s2, j - 4) & 0xF) | ((byte_of(s0, j - 4) >> 6) << 4);
+        m = (byte_of(s2, j - 4) >> 4) | ((byte_of(s1, j - 4) >> 6) << 4);
+    }
+}
+
 // ggml get_scale_min_k4: packed scales[12] of q4_K, sub-block j (0..7) -> 6-bit (sc, m)
 __device__ __forceinline__ void q4k_scale_min(int j, const u8* q, int* sc, int* m) {
     if (j < 4) {

@@ -18,12 +18,6 @@
 
 #include "common.cuh"
 
-// byte k of a 16-byte vector
-__device__ __forceinline__ u32 byte_of(const uint4& v, int k) {
-    const u32 w = k < 4 ? v.x : k < 8 ? v.y : k < 12 ? v.z : v.w;
-    return (w >> (8 * (k & 3))) & 0xFF;
-}
-
 // 8 f32 -> 8 f16 in one 16-byte store
 __device__ __forceinline__ void store8_f16(u16* dst, const float v[8]) {
     *(uint4*)dst = make_uint4(f32x2_to_f16x2(v[0], v[1]), f32x2_to_f16x2(v[2], v[3]),
@@ -61,11 +55,9 @@ __device__ __forceinline__ void q4k_group_f16(const u8* __restrict__ w, u16* __r
     const uint2 qb = *(const uint2*)(blk + off + 64);        // sub-block j + 4
     const int shift = 4 * (j & 1);
 
-    // get_scale_min_k4, scales[k] = header byte 4 + k
-    const u32 s_j = byte_of(hdr, 4 + j), s_j4 = byte_of(hdr, 8 + j), s_j8 = byte_of(hdr, 12 + j);
-    const int sc_a = s_j & 63, m_a = s_j4 & 63;                              // j < 4
-    const int sc_b = (s_j8 & 0xF) | ((s_j >> 6) << 4);                       // j + 4 >= 4
-    const int m_b = (s_j8 >> 4) | ((s_j4 >> 6) << 4);
+    int sc_a, m_a, sc_b, m_b;                                // scales[k] = header byte 4 + k
+    q4k_scale_min_words(hdr.y, hdr.z, hdr.w, j, sc_a, m_a);
+    q4k_scale_min_words(hdr.y, hdr.z, hdr.w, j + 4, sc_b, m_b);
     const float d = f16_to_f32((u16)(hdr.x & 0xFFFF));
     const float dmin = f16_to_f32((u16)(hdr.x >> 16));
     const float dl_a = __fmul_rn(d, (float)sc_a), ml_a = __fmul_rn(dmin, (float)m_a);

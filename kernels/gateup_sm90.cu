@@ -131,18 +131,6 @@ __device__ __forceinline__ float gu_nibble(u32 v, int k) {
     return __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440 | k)) - 8388608.f;
 }
 
-// scale and min of sub-block i (0..7) from the 16-byte header h (get_scale_min_k4,
-// common.cuh's q4k_scale_min, on the header's bytes: scales[k] = byte 4 + k)
-__device__ __forceinline__ void gu_scale_min(const uint4& h, int i, int& sc, int& m) {
-    auto sb = [&](int k) -> u32 {
-        const int b = 4 + k;
-        const u32 w = b < 8 ? h.y : b < 12 ? h.z : h.w;
-        return (w >> (8 * (b & 3))) & 0xFF;
-    };
-    if (i < 4) { sc = sb(i) & 63; m = sb(i + 4) & 63; }
-    else { sc = (sb(i + 4) & 0xF) | ((sb(i - 4) >> 6) << 4); m = (sb(i + 4) >> 4) | ((sb(i) >> 6) << 4); }
-}
-
 // One row's super-block header (16 bytes: d, dmin, the 12 scale bytes), with d and
 // dmin as f32: read once for the super-block's four k-tiles
 struct GuHeader { uint4 h; float d, dmin; };
@@ -172,8 +160,8 @@ __device__ __forceinline__ void gu_fragments(const GuHeader (&hd)[2], const u8* 
         const u32 w0 = (u32)*(const u16*)q | ((u32)*(const u16*)(q + 8) << 16);
         const u32 w1 = (u32)*(const u16*)(q + 16) | ((u32)*(const u16*)(q + 24) << 16);
         int sc_a, m_a, sc_b, m_b;
-        gu_scale_min(hd[h8].h, 2 * j, sc_a, m_a);
-        gu_scale_min(hd[h8].h, 2 * j + 1, sc_b, m_b);
+        q4k_scale_min_words(hd[h8].h.y, hd[h8].h.z, hd[h8].h.w, 2 * j, sc_a, m_a);
+        q4k_scale_min_words(hd[h8].h.y, hd[h8].h.z, hd[h8].h.w, 2 * j + 1, sc_b, m_b);
         const float d = hd[h8].d, dmin = hd[h8].dmin;
         const float dl_a = __fmul_rn(d, (float)sc_a), ml_a = __fmul_rn(dmin, (float)m_a);
         const float dl_b16 = __fmul_rn(d, (float)sc_b) * 0.0625f, ml_b = __fmul_rn(dmin, (float)m_b);

@@ -35,9 +35,6 @@
 #define QT_Q4K 12
 #define QT_Q6K 14
 
-// byte k (0..3) of a 32-bit word
-__device__ __forceinline__ int byte_of(u32 w, int k) { return (w >> (8 * k)) & 0xFF; }
-
 // word k (0..3) of a 16-byte vector, selected in registers (an indexed local array
 // would live in stack memory)
 __device__ __forceinline__ u32 word_of(uint4 v, int k) {
@@ -56,16 +53,7 @@ __device__ __forceinline__ int dot16_s8(const u32 a[4], uint4 b) {
 // scale bytes held as words s0 = bytes 0..3, s1 = 4..7, s2 = 8..11
 __device__ __forceinline__ void q4k_scales2(int j, u32 s0, u32 s1, u32 s2, int sc[2], int m[2]) {
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        const int jj = j + u;
-        if (jj < 4) {
-            sc[u] = byte_of(s0, jj) & 63;
-            m[u] = byte_of(s1, jj) & 63;
-        } else {
-            sc[u] = (byte_of(s2, jj - 4) & 0xF) | ((byte_of(s0, jj - 4) >> 6) << 4);
-            m[u] = (byte_of(s2, jj - 4) >> 4) | ((byte_of(s1, jj - 4) >> 6) << 4);
-        }
-    }
+    for (int u = 0; u < 2; ++u) q4k_scale_min_words(s0, s1, s2, j + u, sc[u], m[u]);
 }
 
 // device bytes of one weight row of K elements
