@@ -96,10 +96,10 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
 # weight rows once per block, so its cost steps with ceil(T / 256) while the chain it
 # replaces (dequantization, cuBLAS, SwiGLU) grows with T: it wins where its last block
 # row is nearly full and there are few rows; below ~128 tokens the conversions are most
-# of its work. Measured on the H200, the 7B twin's forward (docs/PERF.md 6.40, 6.43),
-# tokens/s against the chain: -8% at 32 tokens, level at 128, +12% at 192, +8-10% at
-# 256, -9% at 384, +2.3% at 448, +2.4% at 480, +4.0-4.8% at 512, level at 768, -1% at
-# 1,024, -10% at 3,325.
+# of its work. Measured on the H200, the 7B twin's forward (docs/PERF.md 6.40, 6.43,
+# 6.44), tokens/s against the chain: -8% at 32 tokens, level at 128, +12% at 192,
+# +8-10% at 256, -9% at 384, +2.3% at 448, +2.4% at 480, +4.0-4.8% at 512 (+7.8% with
+# 6.44's half tiles), level at 768, -1% at 1,024, -10% at 3,325.
 GATEUP_FUSED_LENGTHS = ((128, 256), (448, 512))
 
 
