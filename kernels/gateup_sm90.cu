@@ -29,7 +29,7 @@
 //     the consumers (40 a thread here, 232 there: the accumulators, two sets of A
 //     fragments and the conversion fit without spills).
 // A ring of GU_STAGES stages, one k-tile of 64 each: X (256 tokens x 64 f16, 32 KB,
-// swizzled) | the q4_K headers (d, dmin, scales: 16 bytes) of the k-tile's
+// swizzled; a half tile fills the first 128 rows) | the q4_K headers (d, dmin, scales: 16 bytes) of the k-tile's
 // super-block for gate's 64 rows, then up's | the k-tile's 32 nibble bytes of each
 // row, gate's then up's. Per stage an mbarrier `full` (the copies' bytes have
 // arrived) and `empty` (both consumer warpgroups are done with it).
@@ -181,8 +181,8 @@ __device__ __forceinline__ void gu_fragments(const GuHeader (&hd)[2], const u8* 
     }
 }
 
-// byte offset of (token, feature) in an epilogue tile [256 tokens][64 features] f16:
-// the 16-byte chunk of 8 features swizzled by the token
+// byte offset of (token, feature) in an epilogue tile [256 or 128 tokens][64
+// features] f16: the 16-byte chunk of 8 features swizzled by the token
 __device__ __forceinline__ int gu_tile_at(int tok, int feat) {
     return tok * 128 + ((((feat >> 3) ^ tok) & 7) << 4) + 2 * (feat & 7);
 }

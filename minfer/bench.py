@@ -14,7 +14,7 @@ CUDA graph, which the timed repetitions replay; MINFER_CUDA_GRAPHS=0 times the
 eager path instead), then at once its r timed repetitions, as llama-bench does:
 a test is not timed in the state the one before it left (the GPU's clocks follow
 its recent power draw: a 512-token prefill timed right after 3,325-token ones ran
-~10% slower, docs/PERF.md 6.44); prompt ids are seeded random ids
+~10% slower, docs/PERF.md 6.45); prompt ids are seeded random ids
 in the vocabulary; every prefill starts at position 0 of one cache allocated
 once, so each repetition overwrites the same positions. The bench uses only
 the Backend interface (timer, counters, memory_report, memory_check, device_info).

@@ -51,6 +51,7 @@ def tiling(T: int, d_ff: int, n_sm: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_id: int) -> int:
+    """The device's SM count (tiling's n_sm)."""
     return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
@@ -79,7 +80,8 @@ def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
         return h
     # X's maps (whole and half tiles) are made once per prompt length (and scratch),
     # the weights' once per layer
-    xmaps = tma.device_maps(tuple(tma.map_2d(xh, rows, 64, tma.SWIZZLE_128B) for rows in (TOKENS, TOKENS // 2)))
+    xmaps = tma.device_maps(tuple(tma.map_2d(xh, rows, 64, tma.SWIZZLE_128B)
+                                  for rows in (TOKENS, TOKENS // 2)))
     wmaps = tma.device_maps(tuple(tma.map_2d(raw, FEATURES, box, tma.SWIZZLE_NONE)
                                   for raw in (gate_raw, up_raw) for box in (16, 32)))
     dev = cp.cuda.Device().id
