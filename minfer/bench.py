@@ -12,9 +12,9 @@ kernel compilation, memory pool growth; on the CUDA backend the first use of a
 prompt length runs eagerly and the second captures the decoder layers into a
 CUDA graph, which the timed repetitions replay; MINFER_CUDA_GRAPHS=0 times the
 eager path instead), then at once its r timed repetitions, as llama-bench does:
-a test is not timed in the state the one before it left (the GPU's clocks follow
-its recent power draw: a 512-token prefill timed right after 3,325-token ones ran
-~10% slower, docs/PERF.md 6.45); prompt ids are seeded random ids
+a test is not timed in the state the one before it left (a 512-token prefill timed
+right after 3,325-token ones ran ~10% slower, likely the GPU's clocks following its
+recent power draw, docs/PERF.md 6.45); prompt ids are seeded random ids
 in the vocabulary; every prefill starts at position 0 of one cache allocated
 once, so each repetition overwrites the same positions. The bench uses only
 the Backend interface (timer, counters, memory_report, memory_check, device_info).
@@ -149,8 +149,8 @@ def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed:
         return secs
 
     # each test's warm-up right before its repetitions (as llama-bench does), so what
-    # ran before it does not set the state it is timed in (the GPU's clocks follow
-    # its recent power draw)
+    # ran before it does not set the state it is timed in (the GPU's clocks follow its
+    # recent power draw)
     tests = {}
     for P, tokens in prompts.items():
         for _ in range(2):                                              # warm-up, untimed:
