@@ -155,7 +155,8 @@ __device__ __forceinline__ void q8_1_block(float v, int lane, i8* __restrict__ q
 // ---- SwiGLU ----------------------------------------------------------------------
 // silu(g) * u = g / (1 + exp(-g)) * u (ggml_vec_swiglu_f32): every SwiGLU kernel
 // (f32, to q8_1, f16, and the fused gate/up kernel's epilogue in gateup_sm90.cu)
-// inlines this one expression, so the same inputs give the same bits everywhere. expf, not __expf: the fast intrinsic's error is visible in parity.
+// inlines this one expression, so the same inputs give the same bits everywhere.
+// expf, not __expf: the fast intrinsic's error is visible in parity.
 __device__ __forceinline__ float silu_mul(float g, float u) {
     return g / (1.0f + expf(-g)) * u;
 }

@@ -342,6 +342,8 @@ class Gemms:
             for w in (gate, up):
                 self.counters.count(self.path(T, w))
             self.counters.counts["gate/up fused"] += 1
+            # a buffer of its own, not the _x16 scratch: xh may live there, and the
+            # kernel reads xh while it writes h
             f = gateup.gateup_swiglu_q4k(xh, gate.data, up.data, d_ff,
                                          out=cp.empty((T, d_ff), cp.float16))     # (T, d_ff)
             return self._f16_residual(f, down, residual)
