@@ -17,12 +17,7 @@
 // (only the ql/qh/scale sectors each thread needs), q6_K from W_exp 256 + 32 + 512.
 
 #include "common.cuh"
-
-// 8 f32 -> 8 f16 in one 16-byte store
-__device__ __forceinline__ void store8_f16(u16* dst, const float v[8]) {
-    *(uint4*)dst = make_uint4(f32x2_to_f16x2(v[0], v[1]), f32x2_to_f16x2(v[2], v[3]),
-                              f32x2_to_f16x2(v[4], v[5]), f32x2_to_f16x2(v[6], v[7]));
-}
+#include "q4k_f16.cuh"
 
 // Thread layout shared by the three types: one thread per 16 outputs, 16 threads
 // per super-block b. Thread c (0..15) writes the 8-element chunks c and c + 16, i.e.
@@ -40,42 +35,7 @@ __device__ __forceinline__ void store8_f16(u16* dst, const float v[8]) {
 // early after a library kernel (cuBLAS may release its dependents before it has
 // waited for its own predecessors): the usual wait first.
 
-// q4_K (raw ggml blocks, 144 B: d | dmin | scales[12] | qs[128]) -> f16.
-// Elements 32j..32j+31 (sub-block j) are nibble (j&1) of qs[32*(j/2) .. +31], with
-// 6-bit (sc, m) j of get_scale_min_k4. Chunk c lies in sub-block j = c/4 (0..3) and
-// chunk c+16 in sub-block j+4, 64 qs bytes further, same nibble. Thread i < n_grp.
-__device__ __forceinline__ void q4k_group_f16(const u8* __restrict__ w, u16* __restrict__ y, long long i) {
-    const long long b = i >> 4;
-    const int c = (int)(i & 15);
-    const int j = c >> 2;                                    // 0..3; the second chunk: j + 4
-    const u8* blk = w + b * Q4K_BYTES;                       // 144 = 9*16: aligned
-    const uint4 hdr = *(const uint4*)blk;                    // d | dmin | scales[12]
-    const int off = Q4K_QS + 32 * (j >> 1) + 8 * (c & 3);
-    const uint2 qa = *(const uint2*)(blk + off);             // sub-block j
-    const uint2 qb = *(const uint2*)(blk + off + 64);        // sub-block j + 4
-    const int shift = 4 * (j & 1);
-
-    int sc_a, m_a, sc_b, m_b;                                // scales[k] = header byte 4 + k
-    q4k_scale_min_words(hdr.y, hdr.z, hdr.w, j, sc_a, m_a);
-    q4k_scale_min_words(hdr.y, hdr.z, hdr.w, j + 4, sc_b, m_b);
-    const float d = f16_to_f32((u16)(hdr.x & 0xFFFF));
-    const float dmin = f16_to_f32((u16)(hdr.x >> 16));
-    const float dl_a = __fmul_rn(d, (float)sc_a), ml_a = __fmul_rn(dmin, (float)m_a);
-    const float dl_b = __fmul_rn(d, (float)sc_b), ml_b = __fmul_rn(dmin, (float)m_b);
-
-    float va[8], vb[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const int sh = 8 * (k & 3) + shift;
-        const u32 na = ((k < 4 ? qa.x : qa.y) >> sh) & 0xF;
-        const u32 nb = ((k < 4 ? qb.x : qb.y) >> sh) & 0xF;
-        va[k] = __fsub_rn(__fmul_rn(dl_a, (float)na), ml_a);
-        vb[k] = __fsub_rn(__fmul_rn(dl_b, (float)nb), ml_b);
-    }
-    u16* dst = y + b * QK_K + 8 * c;                         // 16-aligned
-    store8_f16(dst, va);
-    store8_f16(dst + 128, vb);
-}
+// q4_K: q4k_group_f16 (q4k_f16.cuh), shared with gateup_sm90.cu.
 
 // q6_K element e (0..255) of a super-block (ggml dequantize_row_q6_K):
 //   half n = e/128, c4 = (e%128)/32, l = e%32
