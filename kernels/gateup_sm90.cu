@@ -41,6 +41,7 @@
 // and 8 up values in, 8 h values out, one 16-byte store.
 
 #include "common.cuh"
+#include "q4k_f16.cuh"
 
 typedef unsigned long long u64;
 
@@ -187,6 +188,46 @@ __device__ __forceinline__ int gu_tile_at(int tok, int feat) {
     return tok * 128 + ((((feat >> 3) ^ tok) & 7) << 4) + 2 * (feat & 7);
 }
 
+// A consumer warpgroup's sums d (its 64 rows x NT tokens) rounded to f16 into `tile`, an
+// [NT tokens][64 features] tile (gu_tile_at's layout)
+template <int NT>
+__device__ __forceinline__ void gu_park(u8* tile, const float (&d)[NT / 2]) {
+    const int w = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    // d[4n + 2hh + e] = D[16w + 8hh + g][8n + 2t + e]: (feature, token)
+#pragma unroll
+    for (int n = 0; n < NT / 8; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                *(u16*)(tile + gu_tile_at(8 * n + 2 * t + e, 16 * w + 8 * hh + g)) = (u16)f16_bits_rn(d[4 * n + 2 * hh + e]);
+}
+
+// h for tokens m0.. (nt of them, those before T) and features f0.. from the parked
+// tiles (gate's at `tiles`, up's GU_TOKENS * 128 bytes after), by NTHREADS threads
+// (tid): each takes 16-byte chunks of a token's features, 8 gate and 8 up values in,
+// 8 h values out, one 16-byte store
+template <int NTHREADS>
+__device__ __forceinline__ void gu_store_h(const u8* tiles, u16* __restrict__ h, int T, int d_ff, int f0, int m0,
+                                           int nt, int tid) {
+    const u8* gt = tiles;
+    const u8* ut = tiles + GU_TOKENS * GU_FEATURES * 2;
+#pragma unroll 2
+    for (int i = tid; i < nt * 8; i += NTHREADS) {
+        const int tok = i >> 3, chunk = i & 7;
+        if (m0 + tok >= T) break;                   // i grows with the token
+        const int at = gu_tile_at(tok, 8 * chunk);
+        const uint4 gv = *(const uint4*)(gt + at), uv = *(const uint4*)(ut + at);
+        const u32 gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+        u32 o[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            o[k] = f32x2_to_f16x2(silu_mul(f16_to_f32(gw[k] & 0xFFFF), f16_to_f32(uw[k] & 0xFFFF)),
+                                  silu_mul(f16_to_f32(gw[k] >> 16), f16_to_f32(uw[k] >> 16)));
+        *(uint4*)(h + (long long)(m0 + tok) * d_ff + f0 + 8 * chunk) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
 // A consumer warpgroup of a tile of NT tokens (256, or 128 in a grid's last wave):
 // the products of its weight's 64 rows (c: 0 gate, 1 up) with the stages' X tiles,
 // then the epilogue (both warpgroups): h for tokens m0.. and features f0..
@@ -240,58 +281,47 @@ __device__ __forceinline__ void gu_consume(u8* sm, u32 s_ring, u32 s_full, u32 s
         }
     }
 
-    // epilogue: the sums as f16 tiles, gate's at the ring's start and up's after it
+    // epilogue: both warpgroups park their sums at the ring's start (gate's tile, then
+    // up's), then all 256 threads store h
     asm volatile("bar.sync 1, 256;\n" ::: "memory");                  // the ring is free
     // the ring was last written by the copies and read by the products (the async
     // proxy); the generic stores below come after both
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    u8* tile = sm + c * (NT * GU_FEATURES * 2);
-    // d[4n + 2hh + e] = D[16w + 8hh + g][8n + 2t + e]: (feature, token)
-#pragma unroll
-    for (int n = 0; n < NT / 8; ++n)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-                *(u16*)(tile + gu_tile_at(8 * n + 2 * t + e, 16 * w + 8 * hh + g)) = (u16)f16_bits_rn(d[4 * n + 2 * hh + e]);
+    gu_park<NT>(sm + c * (GU_TOKENS * GU_FEATURES * 2), d);
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
-    const u8* gt = sm;
-    const u8* ut = sm + NT * GU_FEATURES * 2;
-#pragma unroll 2
-    for (int i = threadIdx.x; i < NT * 8; i += 256) {
-        const int tok = i >> 3, chunk = i & 7;
-        if (m0 + tok >= T) break;                   // i grows with the token
-        const int at = gu_tile_at(tok, 8 * chunk);
-        const uint4 gv = *(const uint4*)(gt + at), uv = *(const uint4*)(ut + at);
-        const u32 gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
-        u32 o[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-            o[k] = f32x2_to_f16x2(silu_mul(f16_to_f32(gw[k] & 0xFFFF), f16_to_f32(uw[k] & 0xFFFF)),
-                                  silu_mul(f16_to_f32(gw[k] >> 16), f16_to_f32(uw[k] >> 16)));
-        *(uint4*)(h + (long long)(m0 + tok) * d_ff + f0 + 8 * chunk) = make_uint4(o[0], o[1], o[2], o[3]);
-    }
+    gu_store_h<256>(sm, h, T, d_ff, f0, m0, NT, threadIdx.x);
+}
+
+// The tile of work unit b (gateup_swiglu_q4k: block b): units 0 .. n_full-1 are whole
+// tiles 0 .. n_full-1 (64 features x 256 tokens), each later unit half of one of the
+// remaining tiles (128 tokens), so a last wave that would hold few whole tiles holds
+// twice as many half tiles instead (gateup.py's tiling decides n_full). Tiles are numbered by 256-token row first, then
+// feature block: the blocks running at once cover a few feature blocks for every row,
+// so each weight row is read from memory about once and X (all rows) stays in L2;
+// numbered the other way, every row streamed the whole weight again. A half tile may
+// start past the prompt's end (m0 >= T).
+struct GuTile { bool whole; int f0, m0; };
+
+__device__ __forceinline__ GuTile gu_tile(int b, int n_full, int T) {
+    const int rows = (T + GU_TOKENS - 1) / GU_TOKENS;
+    const bool whole = b < n_full;
+    const int tile = whole ? b : n_full + (b - n_full) / 2;
+    return {whole, (tile / rows) * GU_FEATURES, (tile % rows) * GU_TOKENS + (whole ? 0 : (b - n_full) % 2 * (GU_TOKENS / 2))};
 }
 
 // xmaps: two 2-D tensor maps (CUtensorMap, 128 bytes each, in global memory) of X (T
 // x K f16, 128-byte swizzle) in boxes of 64 x 256 and 64 x 128; wmaps: four more,
 // gate's and then up's bytes (rows x K/256*144) in boxes of 16 x 64 (headers) and 32
 // x 64 (nibbles). h: (T, d_ff) f16. K % 256 == 0.
-// The tiles: 64 features x 256 tokens, numbered feature block first (d_ff / 64 a row
-// of 256 tokens); blocks 0 .. n_full-1 take tiles 0 .. n_full-1, and each later block
-// half of one of the remaining tiles (128 tokens), so a last wave that would hold
-// few whole tiles holds twice as many half tiles instead (gateup.py's tiling decides
-// n_full). grid n_full + 2 (tiles - n_full), block GU_THREADS, GU_SMEM bytes of
-// dynamic shared memory.
+// The tiles: gu_tile. grid n_full + 2 (tiles - n_full), block GU_THREADS, GU_SMEM bytes
+// of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(GU_THREADS, 1)
 gateup_swiglu_q4k(const u8* __restrict__ xmaps, const u8* __restrict__ wmaps, u16* __restrict__ h, int T,
                   int d_ff, int K, int n_full) {
     GRID_DEPENDENCY();
-    const int nf = d_ff / GU_FEATURES;
-    const bool whole = (int)blockIdx.x < n_full;
-    const int tile = whole ? blockIdx.x : n_full + (blockIdx.x - n_full) / 2;
-    const int f0 = (tile % nf) * GU_FEATURES;
-    const int m0 = (tile / nf) * GU_TOKENS + (whole ? 0 : (blockIdx.x - n_full) % 2 * (GU_TOKENS / 2));
+    const GuTile tl = gu_tile(blockIdx.x, n_full, T);
+    const bool whole = tl.whole;
+    const int f0 = tl.f0, m0 = tl.m0;
     if (m0 >= T) return;                            // a half tile past the prompt's end
     extern __shared__ u8 smem_raw[];
     u8* sm = smem_raw + ((1024 - (gu_smem(smem_raw) & 1023)) & 1023);
@@ -331,6 +361,222 @@ gateup_swiglu_q4k(const u8* __restrict__ xmaps, const u8* __restrict__ wmaps, u1
     else gu_consume<GU_TOKENS / 2>(sm, s_ring, s_full, s_empty, nk, h, T, d_ff, f0, m0);
 }
 
+// ==== gate/up + SwiGLU from f16 weights, the next layer's q4_K gate/up alongside ====
+// gateup_swiglu_f16: the same tiles, products and values, with gate's and up's rows
+// already f16 (dequant_f16.cu's values, rows [gate; up] of one (2 d_ff, K) array)
+// copied by TMA as wgmma's shared-memory A operand: no conversion in the k-loop.
+// Persistent: one block an SM walks the work units b, b + grid, ... so that the
+// epilogue of a tile overlaps the products of the next: the consumer warpgroups
+// only park their sums as f16 tiles in an epilogue buffer of their own and go on,
+// while three warps of the producer warpgroup apply SwiGLU and store h, and then
+// dequantize a slice of the NEXT layer's gate and up (q4_K) into another (2 d_ff, K)
+// array, so that dequantization leaves the critical path for every layer but the
+// first (gemm.py keeps the two arrays and decides who reads and writes which).
+// Shared memory: a ring of GU16_STAGES stages of X (256 tokens x 64, 32 KB) | gate
+// rows f0.. (64 x 64 f16, 8 KB) | up's (8 KB), 128-byte swizzled; the epilogue
+// buffer (gate's and up's f16 tiles, gu_tile_at's layout, 64 KB); two buffers of the
+// next pair's q4_K bytes; mbarriers full / empty a stage, epi_full (the 256 consumer
+// threads' stores are in), epi_free (the 96 epilogue threads are done reading), and
+// one a q4_K buffer (its bytes are in).
+#define GU16_W_BYTES (GU_FEATURES * 128)
+#define GU16_STAGE (GU_X_BYTES + 2 * GU16_W_BYTES)
+#define GU16_EPI_BYTES (2 * GU_TOKENS * GU_FEATURES * 2)
+#define GU16_EPI_THREADS 96                        // warps 1..3 of the producer warpgroup
+#define GU16_AHEAD_BYTES (2 * GU16_AHEAD_SB * Q4K_BYTES)   // the next pair's two q4_K buffers
+static_assert(GU16_STAGE % 1024 == 0, "each stage's tiles start on 1024-byte swizzle atoms");
+static_assert((GU16_AHEAD_SB * Q4K_BYTES) % 16 == 0, "bulk copies move whole 16-byte units");
+static_assert(GU16_SMEM == GU16_STAGES * GU16_STAGE + GU16_EPI_BYTES + GU16_AHEAD_BYTES + 8 * (2 * GU16_STAGES + 4) + 1024,
+              "shared layout: ring, epilogue buffer, q4_K buffers, barriers, alignment");
+
+// d (64 rows x 256 tokens, f32) += A (64 x 16, smem desc a) * B (16 x 256, smem desc b)
+__device__ __forceinline__ void gu_mma_ss(float (&d)[128], u64 a, u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
+        "%128, %129, 1, 1, 1, 0, 0;\n"
+        : GU_F32(d, 0), GU_F32(d, 32), GU_F32(d, 64), GU_F32(d, 96)
+        : "l"(a), "l"(b));
+}
+
+// the same for a 128-token tile
+__device__ __forceinline__ void gu_mma_ss(float (&d)[64], u64 a, u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+        "%64, %65, 1, 1, 1, 0, 0;\n"
+        : GU_F32(d, 0), GU_F32(d, 32)
+        : "l"(a), "l"(b));
+}
+
+// The ring's position: the stage of the next k-tile and the parity of its use, carried
+// from tile to tile
+struct GuRing { int s; u32 phase; };
+
+__device__ __forceinline__ void gu_ring_next(GuRing& r) {
+    if (++r.s == GU16_STAGES) { r.s = 0; r.phase ^= 1; }
+}
+
+// One tile of NT tokens for a consumer warpgroup (c: 0 gate, 1 up): the products, one
+// k-tile's in flight while the next stage's are issued (a stage is released once the
+// products after it are issued and its own are complete), then its sums as an f16
+// tile into the epilogue buffer once the epilogue warps are done with the last one
+// (`first`: there was none), and epi_full told.
+template <int NT>
+__device__ __forceinline__ void gu16_tile(u8* epi, u32 s_ring, u32 s_full, u32 s_empty, u32 s_epi_full,
+                                          u32 s_epi_free, int nk, GuRing& ring, u32 epi_phase, bool first) {
+    const int c = threadIdx.x / 128;
+    float d[NT / 2];
+#pragma unroll
+    for (int i = 0; i < NT / 2; ++i) d[i] = 0.f;
+    int prev = -1;
+    for (int kt = 0; kt < nk; ++kt) {
+        mb_wait(s_full + 8 * ring.s, ring.phase);
+        const u32 st = s_ring + ring.s * GU16_STAGE;
+        const u64 bd = gu_desc(st), ad = gu_desc(st + GU_X_BYTES + c * GU16_W_BYTES);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) gu_mma_ss(d, ad + 2 * kk, bd + 2 * kk);   // + 32 bytes
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (prev >= 0 && threadIdx.x % 128 == 0) mb_arrive(s_empty + 8 * prev);
+        prev = ring.s;
+        gu_ring_next(ring);
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    if (threadIdx.x % 128 == 0) mb_arrive(s_empty + 8 * prev);
+    if (!first) mb_wait(s_epi_free, epi_phase ^ 1);
+    gu_park<NT>(epi + c * (GU_TOKENS * GU_FEATURES * 2), d);
+    mb_arrive(s_epi_full);
+}
+
+// The next layer's gate and up, q4_K -> f16 rows [gate; up] of out: super-blocks
+// [lo, hi) of the pair (gate's n_sb, then up's; super-block j of the pair is super-block
+// j of out's rows), by the GU16_EPI_THREADS epilogue threads (tid). The q4_K bytes come
+// in chunks of up to GU16_AHEAD_SB super-blocks by bulk copies (one thread issues
+// them) into two shared buffers, so one chunk's copy is in flight while the last is
+// converted: the conversion then waits on shared memory, not on a load from DRAM
+// per group. Every chunk lies in one of the two weights. Bit k of `parity` is the
+// parity of buffer k's fills so far (its mbarrier's), carried from call to call.
+__device__ __forceinline__ void gu16_ahead(const u8* __restrict__ gate, const u8* __restrict__ up,
+                                           u16* __restrict__ out, long long n_sb, long long lo, long long hi,
+                                           u8* buf, u32 s_buf, u32 s_job, int tid, u32& parity) {
+    auto chunk_end = [&](long long c0) {
+        const long long e = c0 + GU16_AHEAD_SB < hi ? c0 + GU16_AHEAD_SB : hi;
+        return c0 < n_sb && e > n_sb ? n_sb : e;
+    };
+    auto issue = [&](long long c0, int k) {         // chunk c0.. into buffer k (tid 0)
+        const long long c1 = chunk_end(c0);
+        const u8* src = c0 < n_sb ? gate + c0 * Q4K_BYTES : up + (c0 - n_sb) * Q4K_BYTES;
+        const u32 bytes = (u32)(c1 - c0) * Q4K_BYTES, bar = s_job + 8 * k;
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // after the reads of its last use
+        mb_expect_tx(bar, bytes);
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(s_buf + k * GU16_AHEAD_SB * Q4K_BYTES), "l"(src), "r"(bytes), "r"(bar) : "memory");
+    };
+    if (lo >= hi) return;
+    int k = 0;
+    if (tid == 0) issue(lo, 0);
+    for (long long c0 = lo; c0 < hi; k ^= 1) {
+        const long long c1 = chunk_end(c0);
+        if (tid == 0 && c1 < hi) issue(c1, k ^ 1);   // its buffer was released at the last bar.sync
+        mb_wait(s_job + 8 * k, (parity >> k) & 1);
+        parity ^= 1u << k;
+        const u8* b = buf + k * GU16_AHEAD_SB * Q4K_BYTES;
+        const int n_grp = (int)(c1 - c0) * 16;
+        for (int gi = tid; gi < n_grp; gi += GU16_EPI_THREADS)
+            q4k_group_store(q4k_group_at(b + (gi >> 4) * Q4K_BYTES, gi & 15), out, c0 * 16 + gi);
+        asm volatile("bar.sync 2, %0;\n" ::"n"(GU16_EPI_THREADS) : "memory");   // buffer k read
+        c0 = c1;
+    }
+}
+
+// xmaps: X's two maps as for gateup_swiglu_q4k; wmap: one map of the f16 weights w16
+// (2 d_ff rows [gate; up] x K, 128-byte swizzle) in boxes of 64 x 64. h: (T, d_ff)
+// f16. n_units: n_full whole tiles + 2 (tiles - n_full) half tiles (gu_tile); block b
+// takes units b, b + grid, ... ahead_gate / ahead_up: the next layer's gate and up
+// (q4_K as stored, d_ff x K each), ahead_out: its (2 d_ff, K) f16 array (not w16),
+// ahead_groups: d_ff K / 16, or 0 for none; block b dequantizes its 1/grid of their
+// super-blocks, a slice after each of its tiles. K % 256 == 0. Grid <= n_units, or any grid when
+// there is a next pair (a block without units only dequantizes); block GU_THREADS,
+// GU16_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(GU_THREADS, 1)
+gateup_swiglu_f16(const u8* __restrict__ xmaps, const u8* __restrict__ wmap, u16* __restrict__ h, int T,
+                  int d_ff, int K, int n_full, int n_units, const u8* __restrict__ ahead_gate,
+                  const u8* __restrict__ ahead_up, u16* __restrict__ ahead_out, long long ahead_groups) {
+    GRID_DEPENDENCY();
+    extern __shared__ u8 smem_raw[];
+    u8* sm = smem_raw + ((1024 - (gu_smem(smem_raw) & 1023)) & 1023);
+    u8* epi = sm + GU16_STAGES * GU16_STAGE;
+    u8* abuf = epi + GU16_EPI_BYTES;
+    const u32 s_ring = gu_smem(sm), s_abuf = gu_smem(abuf), s_full = s_abuf + GU16_AHEAD_BYTES;
+    const u32 s_empty = s_full + 8 * GU16_STAGES, s_epi_full = s_empty + 8 * GU16_STAGES, s_epi_free = s_epi_full + 8;
+    const u32 s_job = s_epi_free + 8;
+    const int nk = K / 64, b = blockIdx.x, G = gridDim.x;
+    const int my_units = b < n_units ? (n_units - 1 - b) / G + 1 : 0;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GU16_STAGES; ++s) { mb_init(s_full + 8 * s, 1); mb_init(s_empty + 8 * s, 2); }
+        mb_init(s_epi_full, 256);
+        mb_init(s_epi_free, GU16_EPI_THREADS);
+        mb_init(s_job, 1);
+        mb_init(s_job + 8, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (threadIdx.x >= 256) {                       // the producer warpgroup
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 88;\n");
+        if (threadIdx.x == 256) {                   // the copies, k-tile after k-tile of each unit
+            GuRing ring = {0, 0};
+            int use = 0;                            // the ring's fills so far
+            for (int i = 0; i < my_units; ++i) {
+                const GuTile tl = gu_tile(b + i * G, n_full, T);
+                const u8* xmap = tl.whole ? xmaps : xmaps + 128;
+                const u32 bytes = tl.whole ? GU16_STAGE : GU16_STAGE - GU_X_BYTES / 2;
+                for (int kt = 0; kt < nk; ++kt, ++use) {
+                    if (use >= GU16_STAGES) mb_wait(s_empty + 8 * ring.s, ring.phase ^ 1);
+                    const u32 full = s_full + 8 * ring.s, x = s_ring + ring.s * GU16_STAGE;
+                    mb_expect_tx(full, bytes);
+                    tma_load_2d(x, xmap, kt * 64, tl.m0, full);
+                    tma_load_2d(x + GU_X_BYTES, wmap, kt * 64, tl.f0, full);
+                    tma_load_2d(x + GU_X_BYTES + GU16_W_BYTES, wmap, kt * 64, d_ff + tl.f0, full);
+                    gu_ring_next(ring);
+                }
+            }
+        } else if (threadIdx.x >= 256 + 32) {       // the epilogues, then the next pair
+            const int tid = threadIdx.x - (256 + 32);
+            const long long n_sb = ahead_groups / 16, lo = 2 * n_sb * b / G, hi = 2 * n_sb * (b + 1) / G;
+            u32 parity = 0;
+            for (int i = 0; i < my_units; ++i) {
+                const GuTile tl = gu_tile(b + i * G, n_full, T);
+                mb_wait(s_epi_full, i & 1);
+                gu_store_h<GU16_EPI_THREADS>(epi, h, T, d_ff, tl.f0, tl.m0, tl.whole ? GU_TOKENS : GU_TOKENS / 2, tid);
+                mb_arrive(s_epi_free);
+                gu16_ahead(ahead_gate, ahead_up, ahead_out, n_sb, lo + (hi - lo) * i / my_units,
+                           lo + (hi - lo) * (i + 1) / my_units, abuf, s_abuf, s_job, tid, parity);
+            }
+            if (my_units == 0) gu16_ahead(ahead_gate, ahead_up, ahead_out, n_sb, lo, hi, abuf, s_abuf, s_job, tid, parity);
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 208;\n");
+    GuRing ring = {0, 0};
+    for (int i = 0; i < my_units; ++i) {
+        const GuTile tl = gu_tile(b + i * G, n_full, T);
+        if (tl.whole) gu16_tile<GU_TOKENS>(epi, s_ring, s_full, s_empty, s_epi_full, s_epi_free, nk, ring, i & 1, i == 0);
+        else gu16_tile<GU_TOKENS / 2>(epi, s_ring, s_full, s_empty, s_epi_full, s_epi_free, nk, ring, i & 1, i == 0);
+    }
+}
+
 #ifdef MINFER_SASS_INSTANTIATE
-// One plain extern "C" kernel: compiling the file already emits its SASS.
+// Plain extern "C" kernels: compiling the file already emits their SASS.
 #endif

@@ -1,16 +1,20 @@
-"""The gate/up projections and SwiGLU of a prompt's FFN in one Hopper kernel that
-reads the q4_K blocks (kernels/gateup_sm90.cu):
+"""The gate/up projections and SwiGLU of a prompt's FFN in one Hopper kernel
+(kernels/gateup_sm90.cu), in two forms:
 
     gateup_swiglu_q4k   xh f16 (T, K) with gate, up q4_K (d_ff, K) as stored
                         -> h = f16(silu(f16(xh G^T)) * f16(xh U^T)) f16 (T, d_ff)
-    fits                can the kernel take these weights on this GPU?
-    tiling              its whole (256-token) and half tiles for a grid of T tokens
+    gateup_swiglu_f16   the same from gate and up already f16, rows [G; U] of one
+                        (2 d_ff, K) array; optionally dequantizes another pair of
+                        q4_K weights (the next layer's gate and up) into another
+                        such array while it runs
+    fits                can the kernels take these weights on this GPU?
+    tiling              their whole (256-token) and half tiles for a grid of T tokens
 
 Numerics: the f16 engine's (f16.py: each weight the f16 of its dequantized value,
 products exact, f32 sums, the GEMM's output rounded to f16, swiglu_f16's
 expression), so h has the bits of dequantize + cuBLAS + swiglu_f16 wherever cuBLAS
 sums each output's 16-wide products in k order (tests/gpu/test_gateup.py).
-gemm.py (gateup_fused) decides when it runs.
+gemm.py (gateup_kernel) decides when each runs.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import tma
-from .launch import check, cp, device_cc, kernel, scratch_view
+from .launch import NULL, check, cp, device_cc, kernel, scratch_view
 from .nvrtc import ARCH_SPECIFIC, K
 
 _FILE = "gateup_sm90.cu"
@@ -37,12 +41,13 @@ def fits(qtypes, d_ff: int, n_in: int, cc: tuple[int, int]) -> bool:
 
 
 def tiling(T: int, d_ff: int, n_sm: int) -> tuple[int, int]:
-    """(whole tiles, blocks) of the kernel's grid for T tokens on a GPU of n_sm SMs (one
-    block an SM). Its tiles are 64 features x 256 tokens and take about the same time,
-    so the grid runs in waves of n_sm; a last wave of r <= n_sm / 2 tiles would leave
-    most SMs idle while each of its tiles runs its whole time, so those r tiles run
-    as 2r half tiles (128 tokens: the same conversions, half the products) on twice
-    as many SMs. Blocks = whole + 2 * (tiles - whole). Pure."""
+    """(whole tiles, work units) of the kernels for T tokens on a GPU of n_sm SMs (one
+    block an SM). Their tiles are 64 features x 256 tokens and take about the same
+    time, so the units run in waves of n_sm; a last wave of r <= n_sm / 2 tiles would
+    leave most SMs idle while each of its tiles runs its whole time, so those r tiles
+    run as 2r half tiles (128 tokens: the same conversions, half the products) on
+    twice as many SMs. Units = whole + 2 * (tiles - whole): the q4_K kernel's blocks,
+    the units the f16 kernel's persistent blocks walk. Pure."""
     tiles = d_ff // FEATURES * -(-T // TOKENS)
     last = tiles % n_sm
     whole = tiles - last if 0 < 2 * last <= n_sm else tiles
@@ -56,12 +61,21 @@ def _sm_count(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_id: int):
-    """gateup_swiglu_q4k, opted in (once per device) to its > 48 KB of dynamic shared
-    memory."""
-    fn = kernel(_FILE, "gateup_swiglu_q4k")
-    fn.fn.max_dynamic_shared_size_bytes = K["GU_SMEM"]
+def _kernel(device_id: int, name: str = "gateup_swiglu_q4k"):
+    """One of the file's kernels, opted in (once per device) to its > 48 KB of dynamic
+    shared memory."""
+    fn = kernel(_FILE, name)
+    fn.fn.max_dynamic_shared_size_bytes = _SMEM[name]
     return fn
+
+
+_SMEM = {"gateup_swiglu_q4k": K["GU_SMEM"], "gateup_swiglu_f16": K["GU16_SMEM"]}
+
+
+def _x_maps(xh):
+    """X's maps for whole and half tiles, made once per prompt length (and scratch)."""
+    return tma.device_maps(tuple(tma.map_2d(xh, rows, 64, tma.SWIZZLE_128B)
+                                 for rows in (TOKENS, TOKENS // 2)))
 
 
 def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
@@ -78,10 +92,7 @@ def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
               align16=True)                                                       # (T, d_ff)
     if T == 0:
         return h
-    # X's maps (whole and half tiles) are made once per prompt length (and scratch),
-    # the weights' once per layer
-    xmaps = tma.device_maps(tuple(tma.map_2d(xh, rows, 64, tma.SWIZZLE_128B)
-                                  for rows in (TOKENS, TOKENS // 2)))
+    xmaps = _x_maps(xh)
     wmaps = tma.device_maps(tuple(tma.map_2d(raw, FEATURES, box, tma.SWIZZLE_NONE)
                                   for raw in (gate_raw, up_raw) for box in (16, 32)))
     dev = cp.cuda.Device().id
@@ -89,4 +100,45 @@ def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
     _kernel(dev)((blocks,), (K["GU_THREADS"],),
                  (xmaps, wmaps, h, np.int32(T), np.int32(d_ff), np.int32(n_in), np.int32(whole)),
                  shared_mem=K["GU_SMEM"])
+    return h
+
+
+def gateup_swiglu_f16(xh, w16, d_ff: int, ahead=None, out=None):
+    """xh f16 (T, n_in), w16 f16 (2 d_ff, n_in): gate's rows, then up's, as
+    dequant_f16 writes them -> h f16 (T, d_ff) (into out when given), the bits of
+    gateup_swiglu_q4k on the weights w16 was dequantized from. ahead: None, or
+    (gate_raw, up_raw, out16): two more q4_K weights (d_ff, n_in) as stored, which the
+    launch dequantizes into out16 (f16, 2 d_ff x n_in elements, not w16's memory) as
+    dequant_f16 would."""
+    T, n_in = xh.shape
+    if not fits((QT.Q4_K, QT.Q4_K), d_ff, n_in, device_cc()):
+        raise ValueError(f"gateup_swiglu_f16: ({d_ff}, {n_in}) weights need d_ff % {FEATURES} == 0, "
+                         f"n_in % {QK_K} == 0 and a compute capability 9.0 GPU")
+    check(xh, "gateup x16", cp.float16, align16=True)
+    check(w16, "gateup w16", cp.float16, (2 * d_ff, n_in), align16=True)
+    h = check(scratch_view(out, (T, d_ff), "gateup out", cp.float16), "gateup out", cp.float16,
+              align16=True)                                                       # (T, d_ff)
+    gate_a, up_a, out_a, groups = NULL, NULL, NULL, 0
+    if ahead is not None:
+        gate_a, up_a, out_a = ahead
+        for raw, what in ((gate_a, "gate"), (up_a, "up")):
+            check(raw, f"gateup ahead {what}", cp.uint8, (d_ff, n_in // QK_K * Q4K_BYTES), align16=True)
+        out_a = check(scratch_view(out_a, (2 * d_ff, n_in), "gateup ahead out", cp.float16),
+                      "gateup ahead out", cp.float16, align16=True)               # (2 d_ff, n_in)
+        if out_a.data.ptr == w16.data.ptr:
+            raise ValueError("gateup_swiglu_f16: the next weights' f16 array is this launch's w16")
+        groups = d_ff * n_in // 16
+    if T == 0:
+        raise ValueError("gateup_swiglu_f16: no tokens")
+    wmap = tma.device_maps((tma.map_2d(w16, FEATURES, 64, tma.SWIZZLE_128B),))
+    dev = cp.cuda.Device().id
+    n_sm = _sm_count(dev)
+    whole, units = tiling(T, d_ff, n_sm)
+    # persistent: a block an SM walks the units (all SMs while there is a next pair:
+    # each dequantizes its share of it)
+    grid = n_sm if groups else min(units, n_sm)
+    _kernel(dev, "gateup_swiglu_f16")(
+        (grid,), (K["GU_THREADS"],),
+        (_x_maps(xh), wmap, h, np.int32(T), np.int32(d_ff), np.int32(n_in), np.int32(whole), np.int32(units),
+         gate_a, up_a, out_a, np.int64(groups)), shared_mem=K["GU16_SMEM"])
     return h

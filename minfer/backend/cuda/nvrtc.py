@@ -83,6 +83,13 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "GU_FEATURES": 64,
     "GU_STAGES": 5,
     "GU_SMEM": 5 * (256 * 128 + 128 * 16 + 128 * 32) + 16 * 5 + 1024,
+    # its f16-weight form (gateup_swiglu_f16, persistent): GU16_STAGES stages of X (256 x
+    # 128 bytes) + gate's and up's f16 rows (2 x 64 x 128), an epilogue buffer of two
+    # f16 tiles (2 x 256 x 64 x 2), two buffers of GU16_AHEAD_SB q4_K super-blocks of
+    # the next layer's gate/up (144 bytes each), two mbarriers a stage and four more
+    "GU16_STAGES": 3,
+    "GU16_AHEAD_SB": 56,
+    "GU16_SMEM": 3 * (256 * 128 + 2 * 64 * 128) + 2 * 256 * 64 * 2 + 2 * 56 * 144 + 8 * (2 * 3 + 4) + 1024,
     # one-query (decode) attention (decode_attn.cu): the keys split into chunks of
     # DEC_CHUNK per KV head, DEC_WARPS warps per chunk (DEC_WARPS * 32 == FA_HD), up
     # to DEC_MAX_G query heads per KV head
