@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from minfer.backend.cuda import cublas, dependent
-from minfer.backend.cuda.gemm import GATEUP_FUSED_LENGTHS, gateup_fused, gemm_path
+from minfer.backend.cuda.gemm import GATEUP_KERNELS, gateup_kernel, gemm_path
 from minfer.backend.cuda.settings import F16_GEMM_MIN_T, CudaSettings
 from minfer.backend.cuda.weights import GpuWeight, expected_plane_bytes, is_plane_tensor, plane_check
 
@@ -73,24 +73,28 @@ def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
 
 
 @pytest.mark.parametrize("T,qtypes,d_ff,n_in,settings,has_f16,cc,want", [
-    (256, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),           # the 7B
-    (512, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), True),
-    (384, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
-    (3325, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
-    (200, (QT.Q4_K, QT.Q4_K), 8960, 1536, {}, False, (9, 0), True),            # the 1.5B
-    (2, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), False),
-    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {"gateup_fused": False}, False, (9, 0), False),
-    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, True, (9, 0), False),            # f16 copies kept
-    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (8, 9), False),           # no sm_90a
-    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (10, 0), False),
-    (200, (QT.Q4_K, QT.Q6_K), 18944, 3584, {}, False, (9, 0), False),
-    (200, (QT.Q4_K, QT.Q4_K), 18944 + 32, 3584, {}, False, (9, 0), False),      # not 64 features a block
-    (200, (QT.Q4_1, QT.Q4_1), 18944, 3584, {}, False, (9, 0), False),
+    (256, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), "q4k"),          # the 7B
+    (512, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), "q4k"),
+    (384, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), None),
+    (513, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), None),
+    (1024, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), "f16"),
+    (3325, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), "f16"),
+    (200, (QT.Q4_K, QT.Q4_K), 8960, 1536, {}, False, (9, 0), "q4k"),           # the 1.5B
+    (2, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), None),
+    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {"gateup_fused": False}, False, (9, 0), None),
+    (3325, (QT.Q4_K, QT.Q4_K), 18944, 3584, {"gateup_fused": False}, False, (9, 0), None),
+    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, True, (9, 0), None),             # f16 copies kept
+    (3325, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, True, (9, 0), None),
+    (200, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (8, 9), None),            # no sm_90a
+    (3325, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (10, 0), None),
+    (200, (QT.Q4_K, QT.Q6_K), 18944, 3584, {}, False, (9, 0), None),
+    (3325, (QT.Q4_K, QT.Q4_K), 18944 + 32, 3584, {}, False, (9, 0), None),      # not 64 features a block
+    (200, (QT.Q4_1, QT.Q4_1), 18944, 3584, {}, False, (9, 0), None),
 ])
-def test_gateup_fused_decision(T, qtypes, d_ff, n_in, settings, has_f16, cc, want):
+def test_gateup_kernel_decision(T, qtypes, d_ff, n_in, settings, has_f16, cc, want):
     gate = GpuWeight("blk.0.ffn_gate.weight", qtypes[0], d_ff, n_in, data=None)
     up = GpuWeight("blk.0.ffn_up.weight", qtypes[1], d_ff, n_in, data=None)
-    assert gateup_fused(T, gate, up, CudaSettings(**settings), has_f16, cc) is want
+    assert gateup_kernel(T, gate, up, CudaSettings(**settings), has_f16, cc) == want
 
 
 @pytest.mark.parametrize("T,d_ff,n_sm,want", [
@@ -107,14 +111,19 @@ def test_gateup_tiling(T, d_ff, n_sm, want):
     assert tiling(T, d_ff, n_sm) == want
 
 
-def test_gateup_fused_takes_exactly_its_lengths():
-    """Each range of GATEUP_FUSED_LENGTHS from its first length to its last, nothing
-    just outside, on the 7B's shapes."""
+def test_gateup_kernels_take_exactly_their_lengths():
+    """GATEUP_KERNELS's ranges in order and apart; each kind from a range's first length
+    to its last, none just outside, on the 7B's shapes."""
     gate, up = (GpuWeight(f"blk.0.ffn_{n}.weight", QT.Q4_K, 18944, 3584, data=None) for n in ("gate", "up"))
-    assert GATEUP_FUSED_LENGTHS == tuple(sorted(GATEUP_FUSED_LENGTHS))
-    for lo, hi in GATEUP_FUSED_LENGTHS:
-        for T, want in ((lo - 1, False), (lo, True), ((lo + hi) // 2, True), (hi, True), (hi + 1, False)):
-            assert gateup_fused(T, gate, up, CudaSettings(), False, (9, 0)) is want, T
+    ends = [(lo, hi) for (lo, hi), _ in GATEUP_KERNELS]
+    assert all(hi is not None and hi < lo2 for (lo, hi), (lo2, _) in zip(ends, ends[1:]))
+    assert {kind for _, kind in GATEUP_KERNELS} <= {"q4k", "f16"}
+    for (lo, hi), kind in GATEUP_KERNELS:
+        inside = (lo, lo + 1, 4 * lo) if hi is None else (lo, (lo + hi) // 2, hi)
+        for T in inside:
+            assert gateup_kernel(T, gate, up, CudaSettings(), False, (9, 0)) == kind, T
+        for T in (lo - 1,) + (() if hi is None else (hi + 1,)):
+            assert gateup_kernel(T, gate, up, CudaSettings(), False, (9, 0)) != kind, T
 
 
 def test_gemm_path_rejects_unsupported_types():

@@ -85,11 +85,12 @@ class Backend(ABC):
         """linears of rmsnorm(x) * norm_w (the attention's q/k/v, the LM head)"""
         return self.linears(self.rmsnorm(x, norm_w, eps), ws, biases)
 
-    def ffn(self, x, norm_w, eps: float, gate, up, down) -> Any:
+    def ffn(self, x, norm_w, eps: float, gate, up, down, ahead=None) -> Any:
         """The SwiGLU feed-forward sub-block with its residual: x (T, d) ->
         x + down(silu(gate h) * (up h)), h = rmsnorm(x) * norm_w (T, d); a backend may
         fuse it or keep the (T, d_ff) intermediates in lower precision. x is consumed,
-        as linear's residual."""
+        as linear's residual. ahead: the next layer's (gate, up), or None: a hint a
+        backend may use to prepare them while this one runs (values never change)."""
         h = self.rmsnorm(x, norm_w, eps)
         return self.linear(self.swiglu(*self.linears(h, (gate, up), (None, None))), down, residual=x)
 

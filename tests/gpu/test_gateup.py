@@ -1,14 +1,18 @@
-"""The fused gate/up + SwiGLU kernel on q4_K (kernels/gateup_sm90.cu, Hopper only):
+"""The gate/up + SwiGLU kernels (kernels/gateup_sm90.cu, Hopper only), the one on q4_K
+and the one on f16 weights (which also dequantizes the next layer's pair):
 
     against NumPy: gguf's dequantization rounded to f16, the products summed in f64,
         each sum rounded to f16, silu(g) * u in f32 (a tolerance: another summation
         order, and the f16 roundings after it)
     against the f16 engine's chain (dequantize gate and up, one cuBLAS GEMM with
         f16 output, swiglu_f16 over its column blocks): the same bits, which is what
-        keeps a greedy stream the same with the kernel on or off (scripts/gpu_check.sh
-        compares the 7B twin's on a prompt that takes it)
-    the FFN (Gemms.ffn_f16) takes it where gemm.gateup_fused says, counts it, and
-        gives the bits of the FFN without it
+        keeps a greedy stream the same with the kernels on or off (scripts/gpu_check.sh
+        compares the 7B twin's on prompts that take them)
+    the f16 kernel's next-layer dequantization: the bits of dequant_f16, and no
+        change to its own output
+    the FFN (Gemms.ffn_f16) takes each where gemm.gateup_kernel says, counts it, and
+        gives the bits of the FFN without it, over consecutive layers handing the
+        next pair on
 
 Irregular token counts (tails of the 256-token tiles, a single tile, several),
 feature counts of a few 64-feature blocks (grids of half tiles only), and feature
@@ -22,7 +26,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from minfer.backend.cuda.gemm import GATEUP_FUSED_LENGTHS
+from minfer.backend.cuda.gemm import GATEUP_KERNELS
 
 from .test_mmq import _acts, _info, _weights
 
@@ -57,11 +61,31 @@ def _numpy_h(gate, up, x16, K: int) -> np.ndarray:
     return (g / (np.float32(1) + np.exp(-g)) * u).astype(np.float16)
 
 
-def _fused(cp, gate, up, x16):
+def _w16(cp, gate, up):
+    """gate and up dequantized by dequant_f16 as rows [gate; up] of one f16 array."""
+    from minfer.backend.cuda import f16
+    d_ff, K = gate.shape[0], x_cols(gate)
+    w16 = cp.empty(2 * d_ff * K, cp.float16)
+    f16.dequant_f16_many([(cp.asarray(w), QT.Q4_K, d_ff, K, w16[i * d_ff * K:(i + 1) * d_ff * K], None)
+                          for i, w in enumerate((gate, up))])
+    return w16.reshape(2 * d_ff, K)
+
+
+def x_cols(raw) -> int:
+    """A q4_K weight's input count from its row bytes."""
+    return raw.shape[1] // 144 * 256
+
+
+def _fused(cp, gate, up, x16, kind="q4k", ahead=None):
+    """One kernel's h: "q4k" reads the q4_K blocks, "f16" their dequantized rows (and,
+    with ahead, dequantizes that pair into its array)."""
     from minfer.backend.cuda import gateup
     T, d_ff = x16.shape[0], gate.shape[0]
     h = cp.full((T, d_ff), cp.nan, cp.float16)
-    out = gateup.gateup_swiglu_q4k(cp.asarray(x16), cp.asarray(gate), cp.asarray(up), d_ff, out=h)
+    if kind == "q4k":
+        out = gateup.gateup_swiglu_q4k(cp.asarray(x16), cp.asarray(gate), cp.asarray(up), d_ff, out=h)
+    else:
+        out = gateup.gateup_swiglu_f16(cp.asarray(x16), _w16(cp, gate, up), d_ff, ahead=ahead, out=h)
     assert out.data.ptr == h.data.ptr and out.shape == h.shape
     return cp.asnumpy(h)
 
@@ -71,18 +95,21 @@ def _chain(cp, gate, up, x16):
     from minfer.backend.cuda import cublas, f16
     T, K = x16.shape
     d_ff = gate.shape[0]
-    w16 = cp.empty(2 * d_ff * K, cp.float16)
-    f16.dequant_f16_many([(cp.asarray(w), QT.Q4_K, d_ff, K, w16[i * d_ff * K:(i + 1) * d_ff * K], None)
-                          for i, w in enumerate((gate, up))])
     gu = cp.empty((T, 2 * d_ff), cp.float16)
-    cublas.gemm_f16(cp.asarray(x16), w16.reshape(2 * d_ff, K), gu)
+    cublas.gemm_f16(cp.asarray(x16), _w16(cp, gate, up), gu)
     return cp.asnumpy(f16.swiglu_f16(gu[:, :d_ff], gu[:, d_ff:]))
 
 
+def _same_bits(got, want):
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), \
+        f"{np.sum(got.view(np.uint16) != want.view(np.uint16))} of {got.size} differ"
+
+
+@pytest.mark.parametrize("kind", ["q4k", "f16"])
 @pytest.mark.parametrize("T,K,d_ff", SHAPES)
-def test_gateup_kernel_against_numpy(cp, T, K, d_ff):
+def test_gateup_kernel_against_numpy(cp, T, K, d_ff, kind):
     gate, up, x16 = _case(cp, T, K, d_ff, seed=T + K)
-    got = _fused(cp, gate, up, x16).astype(np.float32)
+    got = _fused(cp, gate, up, x16, kind).astype(np.float32)
     want = _numpy_h(gate, up, x16, K).astype(np.float32)
     assert np.isfinite(got).all()
     scale = np.abs(want).max()
@@ -91,58 +118,142 @@ def test_gateup_kernel_against_numpy(cp, T, K, d_ff):
     assert np.mean(got == want) > 0.9
 
 
+@pytest.mark.parametrize("kind", ["q4k", "f16"])
 @pytest.mark.parametrize("T,K,d_ff", SHAPES)
-def test_gateup_kernel_equals_the_f16_engine_chain(cp, T, K, d_ff):
+def test_gateup_kernel_equals_the_f16_engine_chain(cp, T, K, d_ff, kind):
     gate, up, x16 = _case(cp, T, K, d_ff, seed=3 * T + d_ff)
-    got, want = _fused(cp, gate, up, x16), _chain(cp, gate, up, x16)
-    assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), \
-        f"{np.sum(got.view(np.uint16) != want.view(np.uint16))} of {got.size} differ"
+    _same_bits(_fused(cp, gate, up, x16, kind), _chain(cp, gate, up, x16))
 
 
-@pytest.mark.parametrize("kind", ["whole", "whole and half"])
-def test_gateup_grids_of_whole_and_half_tiles(cp, kind):
+@pytest.mark.parametrize("T,K,d_ff", SHAPES)
+def test_gateup_f16_dequantizes_the_next_pair_as_dequant_f16(cp, T, K, d_ff):
+    """The f16 kernel with a next pair: that pair's f16 rows are dequant_f16's bits to the
+    last element (the array poisoned first, every block of the grid doing its share,
+    half tiles past T included), and h is what it is without the job."""
+    gate, up, x16 = _case(cp, T, K, d_ff, seed=5 * T + K)
+    g2, u2 = (_weights(QT.Q4_K, d_ff, K, seed=T + 40 + i) for i in range(2))
+    out16 = cp.full((2 * d_ff, K), cp.nan, cp.float16)
+    got = _fused(cp, gate, up, x16, "f16", ahead=(cp.asarray(g2), cp.asarray(u2), out16))
+    _same_bits(got, _fused(cp, gate, up, x16, "f16"))
+    assert np.array_equal(cp.asnumpy(out16).view(np.uint16), cp.asnumpy(_w16(cp, g2, u2)).view(np.uint16))
+
+
+def test_gateup_f16_refuses_its_own_weights_as_the_next_pairs_array(cp):
+    from minfer.backend.cuda import gateup
+    gate, up, x16 = _case(cp, 64, 256, 128, seed=1)
+    w16 = _w16(cp, gate, up)
+    with pytest.raises(ValueError, match="this launch's w16"):
+        gateup.gateup_swiglu_f16(cp.asarray(x16), w16, 128, ahead=(cp.asarray(gate), cp.asarray(up), w16))
+
+
+@pytest.mark.parametrize("kind", ["q4k", "f16"])
+@pytest.mark.parametrize("grid", ["whole", "whole and half"])
+def test_gateup_grids_of_whole_and_half_tiles(cp, grid, kind):
     """d_ff from this GPU's SM count: 3 rows of 256 tokens over 0.6 n_sm feature blocks
     (a last wave too full to split: whole tiles only), or 2 rows over n_sm + 8 (a last
     wave of 16 tiles: 32 half tiles, those past T = 300 leaving at once). The bits of
     the chain either way."""
     from minfer.backend.cuda import gateup
     n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    T, nf = (700, -(-3 * n_sm // 5)) if kind == "whole" else (300, n_sm + 8)
+    T, nf = (700, -(-3 * n_sm // 5)) if grid == "whole" else (300, n_sm + 8)
     K, d_ff = 256, 64 * nf
     tiles = nf * -(-T // 256)
     whole, blocks = gateup.tiling(T, d_ff, n_sm)
-    assert (whole, blocks) == ((tiles, tiles) if kind == "whole" else (tiles - 16, tiles + 16))
+    assert (whole, blocks) == ((tiles, tiles) if grid == "whole" else (tiles - 16, tiles + 16))
     gate, up, x16 = _case(cp, T, K, d_ff, seed=nf)
-    got, want = _fused(cp, gate, up, x16), _chain(cp, gate, up, x16)
-    assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), \
-        f"{np.sum(got.view(np.uint16) != want.view(np.uint16))} of {got.size} differ"
+    _same_bits(_fused(cp, gate, up, x16, kind), _chain(cp, gate, up, x16))
 
 
-# each range's ends and a length inside
-@pytest.mark.parametrize("T", sorted({t for lo, hi in GATEUP_FUSED_LENGTHS for t in (lo, (lo + hi) // 2 + 1, hi)}))
-def test_ffn_takes_the_fused_kernel_with_the_same_bits(cp, cuda_linears, T):
+def _ffn_weights(st, layers: int, d: int, d_ff: int, seed: int = 5):
+    """Registered gate, up (q4_K) and down (q6_K) of consecutive layers."""
+    return [[st.register(f"blk.{i}.ffn_{n}.weight", _info(f"blk.{i}.ffn_{n}.weight", qt, n_out, n_in),
+                         _weights(qt, n_out, n_in, seed=seed + 3 * i + j))
+             for j, (n, qt, n_out, n_in) in enumerate((("gate", QT.Q4_K, d_ff, d), ("up", QT.Q4_K, d_ff, d),
+                                                        ("down", QT.Q6_K, d, d_ff)))]
+            for i in range(layers)]
+
+
+def _kind_lengths(kind: str) -> list[int]:
+    """Each range of this kind: its ends and a length inside (an open end: 3 lengths)."""
+    out = set()
+    for (lo, hi), k in GATEUP_KERNELS:
+        if k == kind:
+            out |= {lo, lo + 131, lo + 700} if hi is None else {lo, (lo + hi) // 2 + 1, hi}
+    return sorted(out)
+
+
+@pytest.mark.parametrize("T", _kind_lengths("q4k"))
+def test_ffn_takes_the_q4k_kernel_with_the_same_bits(cp, cuda_linears, T):
     d, d_ff = 512, 1280
     runs = {}
     for fused in (True, False):
         st, gemm = cuda_linears(gateup_fused=fused)
-        ws = [st.register(name, _info(name, qt, n_out, n_in), _weights(qt, n_out, n_in, seed=i + 5))
-              for i, (name, qt, n_out, n_in) in enumerate((("blk.0.ffn_gate.weight", QT.Q4_K, d_ff, d),
-                                                           ("blk.0.ffn_up.weight", QT.Q4_K, d_ff, d),
-                                                           ("blk.0.ffn_down.weight", QT.Q6_K, d, d_ff)))]
+        (ws,) = _ffn_weights(st, 1, d, d_ff)
         xh = cp.asarray(_acts(T, d, seed=T)).astype(cp.float16)
         res = cp.asarray(_acts(T, d, seed=T + 1))
         gemm.counters.reset()
         y = gemm.ffn_f16(xh, *ws, residual=res)
         runs[fused] = (cp.asnumpy(y), dict(gemm.counters.counts))
     (y1, c1), (y0, c0) = runs[True], runs[False]
-    assert any(lo <= T <= hi for lo, hi in GATEUP_FUSED_LENGTHS)
-    assert c1["gate/up fused"] == 1 and c0["gate/up fused"] == 0
+    assert c1["gate/up fused"] == 1 and c0["gate/up fused"] == 0 and c1["gate/up f16"] == 0
     assert c1["q4k_f16"] == c0["q4k_f16"] == 2 and c1["q6k exp"] == c0["q6k exp"] == 1
     assert np.array_equal(y1.view(np.uint32), y0.view(np.uint32))
 
 
-@pytest.mark.parametrize("T", sorted({t for lo, hi in GATEUP_FUSED_LENGTHS for t in (lo - 1, hi + 1)}))
-def test_ffn_outside_its_lengths_takes_the_chain(cp, cuda_linears, T):
+@pytest.mark.parametrize("T", _kind_lengths("f16"))
+def test_ffn_layers_take_the_f16_kernel_and_hand_the_next_pair_on(cp, cuda_linears, T):
+    """Three layers' FFNs in order, each told the next layer's gate/up: the first
+    dequantizes its pair, each launch writes the next one's, and every layer's output
+    has the bits of the chain (kernels off). The counters: three f16 launches, two of
+    them with the next pair, gate and up counted once a layer either way."""
+    d, d_ff, n = 512, 1280, 3
+    runs = {}
+    for fused in (True, False):
+        st, gemm = cuda_linears(gateup_fused=fused)
+        layers = _ffn_weights(st, n, d, d_ff)
+        gemm.counters.reset()
+        ys = []
+        for i, ws in enumerate(layers):
+            xh = cp.asarray(_acts(T, d, seed=T + i)).astype(cp.float16)
+            res = cp.asarray(_acts(T, d, seed=T + 10 + i))
+            ahead = (layers[i + 1][0], layers[i + 1][1]) if i + 1 < n else None
+            ys.append(cp.asnumpy(gemm.ffn_f16(xh, *ws, residual=res, ahead=ahead)))
+        runs[fused] = (ys, dict(gemm.counters.counts), gemm._ahead)
+    (y1, c1, held1), (y0, c0, held0) = runs[True], runs[False]
+    assert (c1["gate/up f16"], c1["gate/up ahead"], c1["gate/up fused"]) == (n, n - 1, 0)
+    assert (c0["gate/up f16"], c0["gate/up ahead"]) == (0, 0)
+    assert c1["q4k_f16"] == c0["q4k_f16"] == 2 * n and c1["q6k exp"] == c0["q6k exp"] == n
+    assert held1 is None and held0 is None                 # the last layer hands nothing on
+    for i in range(n):
+        assert np.array_equal(y1[i].view(np.uint32), y0[i].view(np.uint32)), f"layer {i}"
+
+
+def test_ffn_f16_kernel_dequantizes_a_pair_it_was_not_handed(cp, cuda_linears):
+    """Layer 1 run first (nothing handed on), then layer 0 told of layer 1, then layer 2
+    (not the pair handed on): each pair not written ahead is dequantized at its layer,
+    and the outputs stay the chain's."""
+    T, d, d_ff = 1100, 256, 768
+    runs = {}
+    for fused in (True, False):
+        st, gemm = cuda_linears(gateup_fused=fused)
+        layers = _ffn_weights(st, 3, d, d_ff, seed=11)
+        gemm.counters.reset()
+        ys = []
+        for i, ahead in ((1, None), (0, 1), (2, None)):
+            xh = cp.asarray(_acts(T, d, seed=i)).astype(cp.float16)
+            ys.append(cp.asnumpy(gemm.ffn_f16(xh, *layers[i], ahead=None if ahead is None
+                                              else tuple(layers[ahead][:2]))))
+        runs[fused] = (ys, dict(gemm.counters.counts))
+    (y1, c1), (y0, c0) = runs[True], runs[False]
+    assert (c1["gate/up f16"], c1["gate/up ahead"]) == (3, 1) and c0["gate/up f16"] == 0
+    for a, b in zip(y1, y0):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("T", sorted({t for (lo, hi), _ in GATEUP_KERNELS for t in (lo - 1, hi and hi + 1)
+                                      if t and not any(a <= t and (b is None or t <= b)
+                                                       for (a, b), _ in GATEUP_KERNELS)}))
+def test_ffn_outside_their_lengths_takes_the_chain(cp, cuda_linears, T):
     d, d_ff = 256, 256
     st, gemm = cuda_linears()
     ws = [st.register(name, _info(name, QT.Q4_K, n_out, n_in), _weights(QT.Q4_K, n_out, n_in, seed=i))
@@ -151,4 +262,5 @@ def test_ffn_outside_its_lengths_takes_the_chain(cp, cuda_linears, T):
                                                    ("blk.0.ffn_down.weight", d, d_ff)))]
     gemm.counters.reset()
     gemm.ffn_f16(cp.asarray(_acts(T, d, seed=1)).astype(cp.float16), *ws)
-    assert gemm.counters.counts["gate/up fused"] == 0 and gemm.counters.counts["q4k_f16"] == 3
+    c = gemm.counters.counts
+    assert c["gate/up fused"] == c["gate/up f16"] == 0 and c["q4k_f16"] == 3

@@ -187,8 +187,8 @@ class CUDABackend(Backend):
     def norm_linears(self, x, norm_w, eps: float, ws, biases):
         return self.gemm.norm_linears(x, norm_w, eps, ws, biases)
 
-    def ffn(self, x, norm_w, eps: float, gate, up, down):
-        return self.gemm.ffn(x, norm_w, eps, gate, up, down)
+    def ffn(self, x, norm_w, eps: float, gate, up, down, ahead=None):
+        return self.gemm.ffn(x, norm_w, eps, gate, up, down, ahead=ahead)
 
     def rmsnorm(self, x, w, eps: float, out=None):
         return ops.rmsnorm(x, w, eps, out=out)

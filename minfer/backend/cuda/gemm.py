@@ -15,10 +15,13 @@
                                        (with settings.f16_weights, the GEMM reads the f16 copy
                                        kept since load instead: nothing dequantized)
 
-A prompt's FFN on the f16 engine with q4_K gate and up, on a Hopper GPU, at the
-lengths of GATEUP_FUSED_LENGTHS: gate/up and SwiGLU in one kernel
-that reads the q4_K blocks (gateup.py, the same bits; gate and up still count
-q4k_f16, and the launch `gate/up fused`). `gateup_fused` decides.
+A prompt's FFN on the f16 engine with q4_K gate and up, on a Hopper GPU: gate/up
+and SwiGLU in one kernel (gateup.py, the same bits as the chain), by the lengths of
+GATEUP_KERNELS either the one that reads the q4_K blocks (counted `gate/up fused`)
+or the one that reads them dequantized to f16 (`gate/up f16`) and meanwhile
+dequantizes the next layer's gate and up (`gate/up ahead`), so that only the first
+layer's pair is dequantized on the critical path. Gate and up count q4k_f16 either
+way. `gateup_kernel` decides.
 
 A q6_K GEMM on either engine also counts where its B operand came from:
 `q6k exp` (the W_exp plane: the fast path), `q6k exp=off` (planes deliberately
@@ -46,7 +49,7 @@ _PREFIX = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.
 COUNTERS = (("q4k_mmq", "q6k_mmq", "q4k_f16", "q6k_f16",
              "q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw", "q6k f16 kept",
              "q4k_mv", "q6k_mv", "f32_gemm", "dependent launches", "early dequants",
-             "flash wgmma", "flash mma", "gate/up fused")
+             "flash wgmma", "flash mma", "gate/up fused", "gate/up f16", "gate/up ahead")
             + tuple(f"{p}_{e}" for t, p in _PREFIX.items() if t not in int8.MMQ_TYPES
                     for e in ("f16", "mv")))
 
@@ -91,26 +94,34 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
     return GemmPath(engine, f"{prefix}_{engine}", source)
 
 
-# The prompt lengths whose FFN runs gate/up + SwiGLU in the fused q4_K kernel
-# (gateup.py), as inclusive ranges. Its blocks take 256 tokens and convert their
-# weight rows once per block, so its cost steps with ceil(T / 256) while the chain it
-# replaces (dequantization, cuBLAS, SwiGLU) grows with T: it wins where its last block
-# row is nearly full and there are few rows; below ~128 tokens the conversions are most
-# of its work. Measured on the H200, the 7B twin's forward (docs/PERF.md 6.40, 6.43,
-# 6.44), tokens/s against the chain: -8% at 32 tokens, level at 128, +12% at 192,
-# +8-10% at 256, -9% at 384, +2.3% at 448, +2.4% at 480, +4.0-4.8% at 512 (+7.8% with
-# 6.44's half tiles), level at 768, -1% at 1,024, -10% at 3,325.
-GATEUP_FUSED_LENGTHS = ((128, 256), (448, 512))
+# Which gate/up + SwiGLU kernel (gateup.py) a prompt's FFN runs, by its length:
+# inclusive ranges (hi None: no end) -> "q4k" (reads the q4_K blocks, converts them in
+# registers) or "f16" (reads them dequantized to f16, and dequantizes the next layer's
+# pair meanwhile); lengths outside every range run the chain (dequantization, cuBLAS,
+# SwiGLU). The q4_K kernel's blocks take 256 tokens and convert their weight rows
+# once a block, so its cost steps with ceil(T / 256) while the chain grows with T: it
+# wins where its last block row is nearly full and there are few rows. Measured on
+# the H200, the 7B twin's forward (docs/PERF.md 6.40, 6.43, 6.44), tokens/s against
+# the chain: -8% at 32 tokens, level at 128, +12% at 192, +8-10% at 256, -9% at
+# 384, +2.3% at 448, +2.4% at 480, +4.0-4.8% at 512 (+7.8% with 6.44's half tiles),
+# level at 768, -1% at 1,024, -10% at 3,325. The f16 kernel (6.46), against main's
+# kernels (the chain from 513 on): -12% at 512, -6% at 768 and +1.4% (another call
+# -1.3%) at 1,024 (its share of the next pair's dequantization is then a large part
+# of each block's time), +3.0% at 1,280, +5.9% at 1,536, +4.9-7.7% at 2,048 and
+# +4.5-4.8% at 3,325.
+GATEUP_KERNELS = (((128, 256), "q4k"), ((448, 512), "q4k"), ((1024, None), "f16"))
 
 
-def gateup_fused(T: int, gate: GpuWeight, up: GpuWeight, settings: CudaSettings, has_f16: bool,
-                 cc: tuple[int, int]) -> bool:
-    """Does the f16-engine FFN of T tokens take the fused gate/up + SwiGLU kernel? Not
-    when it is turned off, outside GATEUP_FUSED_LENGTHS, with kept f16 copies (nothing
-    to dequantize), or for weights or a GPU the kernel does not fit. Pure."""
-    return (settings.gateup_fused and any(lo <= T <= hi for lo, hi in GATEUP_FUSED_LENGTHS) and not has_f16
-            and gate.n_out == up.n_out and gate.n_in == up.n_in
-            and gateup.fits((gate.qtype, up.qtype), gate.n_out, gate.n_in, cc))
+def gateup_kernel(T: int, gate: GpuWeight, up: GpuWeight, settings: CudaSettings, has_f16: bool,
+                  cc: tuple[int, int]) -> str | None:
+    """The gate/up + SwiGLU kernel of the f16-engine FFN of T tokens ("q4k", "f16"), or
+    None for the chain: None when the kernels are turned off, outside GATEUP_KERNELS,
+    with kept f16 copies (nothing to dequantize), or for weights or a GPU the kernels
+    do not fit. Pure."""
+    if not (settings.gateup_fused and not has_f16 and gate.n_out == up.n_out and gate.n_in == up.n_in
+            and gateup.fits((gate.qtype, up.qtype), gate.n_out, gate.n_in, cc)):
+        return None
+    return next((kind for (lo, hi), kind in GATEUP_KERNELS if lo <= T and (hi is None or T <= hi)), None)
 
 
 class Counters:
@@ -151,7 +162,9 @@ class Gemms:
         self.counters = Counters(settings.report_counts)
         self._q8 = [None, None]                  # two slots of (q int8, d f32, s f32), flat
         self._f16x = None                        # f16 activations, flat
-        self._f16w = None                        # f16 weight (dequantized per GEMM), flat
+        self._f16w = [None, None]                # two f16 weight slots, flat (_w16, _slot)
+        self._ahead = None                       # (slot, gate ptr, up ptr): the next layer's
+                                                 # gate/up, written there by the last gate/up f16 launch
 
     def path(self, T: int, w: GpuWeight) -> GemmPath:
         return gemm_path(T, w, self.settings, self.store.plane_of(w) is not None,
@@ -262,11 +275,12 @@ class Gemms:
             cols.append(cols[-1] + w.n_out)
         return [y[:, a:b] for a, b in zip(cols, cols[1:])]
 
-    def ffn(self, x, norm_w, eps: float, gate: GpuWeight, up: GpuWeight, down: GpuWeight):
+    def ffn(self, x, norm_w, eps: float, gate: GpuWeight, up: GpuWeight, down: GpuWeight, ahead=None):
         """The feed-forward sub-block: x + down(silu(gate h) * up h), h = rmsnorm(x) * norm_w.
         One decode row: four launches (norm to q8_1; gate and up, one launch where they
         share a type; SwiGLU to q8_1; down with the residual); prompts: the f16 FFN
-        (ffn_f16) or three linears."""
+        (ffn_f16, which may prepare ahead: the next layer's (gate, up)) or three
+        linears."""
         T, d_ff = x.shape[0], gate.n_out
         if (self.all_matvec(x, (gate, up)) and self.path(1, down).engine == "matvec"
                 and up.n_out == d_ff == down.n_in and d_ff % 32 == 0):
@@ -276,7 +290,7 @@ class Gemms:
             return self._matvecs(h8, (down,), (None,), (x,))[0]
         if self.ffn_fused(T, gate, up, down):    # x consumed: down accumulates into it
             return self.ffn_f16(ops.rmsnorm(x, norm_w, eps, out=self._x16(x.shape), dtype=cp.float16),
-                                gate, up, down, residual=x)
+                                gate, up, down, residual=x, ahead=ahead)
         h = ops.rmsnorm(x, norm_w, eps)
         y = self.linear(ops.swiglu(*self.linears(h, (gate, up), (None, None))), down)
         return ops.add(x, y, out=y)
@@ -328,17 +342,21 @@ class Gemms:
         return (self.settings.ffn_f16 and gate.n_out == up.n_out == down.n_in
                 and all(self.path(T, w).engine == "f16" for w in (gate, up, down)))
 
-    def ffn_f16(self, h, gate: GpuWeight, up: GpuWeight, down: GpuWeight, residual=None):
+    def ffn_f16(self, h, gate: GpuWeight, up: GpuWeight, down: GpuWeight, residual=None, ahead=None):
         """h (T, d) f32, or f16 already rounded -> down(silu(gate h) * up h) f32 (T, d)
         with the (T, d_ff) intermediates in f16: gate/up and SwiGLU in one kernel where
-        gateup_fused says so, else gate/up write f16 (one GEMM over both weights where
-        they group, else one each) and swiglu reads and writes f16; the down GEMM
-        reads it (no f32 round trip). With a residual, the down GEMM
-        accumulates into it (consumed) and returns it."""
+        gateup_kernel says so (_gateup_f16 for the f16 one), else gate/up write f16 (one
+        GEMM over both weights where they group, else one each) and swiglu reads and
+        writes f16; the down GEMM reads it (no f32 round trip). With a residual, the
+        down GEMM accumulates into it (consumed) and returns it. ahead: the next
+        layer's (gate, up), or None."""
         T, d_ff = h.shape[0], gate.n_out
         xh = h if h.dtype == cp.float16 else f16.cast_f16(h, self._x16(h.shape))   # (T, d)
         has_f16 = self.store.f16_of(gate) is not None or self.store.f16_of(up) is not None
-        if gateup_fused(T, gate, up, self.settings, has_f16, device_cc()):
+        kind = gateup_kernel(T, gate, up, self.settings, has_f16, device_cc())
+        if kind == "f16":
+            return self._f16_residual(self._gateup_f16(xh, gate, up, ahead), down, residual)
+        if kind == "q4k":
             for w in (gate, up):
                 self.counters.count(self.path(T, w))
             self.counters.counts["gate/up fused"] += 1
@@ -354,6 +372,41 @@ class Gemms:
                   for w in (gate, up)]
         f = f16.swiglu_f16(*gu, out=self._x16((T, d_ff)))                          # (T, d_ff)
         return self._f16_residual(f, down, residual)
+
+    def _gateup_f16(self, xh, gate: GpuWeight, up: GpuWeight, ahead):
+        """h = SwiGLU of gate/up by gateup_swiglu_f16 -> (T, d_ff) f16. Its f16 weights
+        are in a slot already when the launch before (the previous layer's) wrote them
+        (self._ahead names them), else they are dequantized now; the launch writes the
+        next layer's pair (ahead, when it takes this kernel too) into the other slot.
+        Every GEMM dequantizing in between uses the slot not held (_w16), and one
+        stream orders each slot's reads before its next writes."""
+        T, d_ff, n = xh.shape[0], gate.n_out, 2 * gate.n_out * gate.n_in
+        held, self._ahead = self._ahead, None
+        if held is not None and held[1:] == (gate.ptr, up.ptr):
+            slot = held[0]
+            for w in (gate, up):
+                self.counters.count(self.path(T, w))
+            w16 = self._slot(slot, n)
+        else:
+            slot = 0
+            w16 = self._slot(slot, n)
+            f16.dequant_f16_many([self._dequant_args(T, gate, w16[:n // 2]),
+                                  self._dequant_args(T, up, w16[n // 2:])])
+        job = None
+        if ahead is not None:
+            g2, u2 = ahead
+            if (g2.n_out, g2.n_in, u2.n_out, u2.n_in) == (d_ff, gate.n_in, d_ff, gate.n_in) and gateup_kernel(
+                    T, g2, u2, self.settings, self.store.f16_of(g2) is not None or self.store.f16_of(u2) is not None,
+                    device_cc()) == "f16":
+                job = (g2.data, u2.data, self._slot(1 - slot, n)[:n])
+        self.counters.counts["gate/up f16"] += 1
+        # h in a buffer of its own, not the _x16 scratch: xh may live there
+        h = gateup.gateup_swiglu_f16(xh, w16[:n].reshape(2 * d_ff, gate.n_in), d_ff, ahead=job,
+                                     out=cp.empty((T, d_ff), cp.float16))        # (T, d_ff)
+        if job is not None:
+            self.counters.counts["gate/up ahead"] += 1
+            self._ahead = (1 - slot, ahead[0].ptr, ahead[1].ptr)
+        return h
 
     def _f16_residual(self, xh, w: GpuWeight, residual=None, bias=None, out=None):
         """xh f16 @ W^T [+ bias] [+ residual (consumed)]: the GEMM accumulates into the
@@ -409,16 +462,21 @@ class Gemms:
         return self._f16x[:n].reshape(shape)
 
     def _w16(self, n: int = 0):
-        """The f16 weight scratch: the largest layer weight the f16 engine dequantizes,
-        or n elements (a group of weights side by side) when that is more."""
+        """The f16 weight scratch: the slot that does not hold the next layer's gate/up
+        (self._ahead), at least the largest layer weight the f16 engine dequantizes, or
+        n elements (a group of weights side by side) when that is more."""
+        return self._slot(0 if self._ahead is None else 1 - self._ahead[0], n)
+
+    def _slot(self, i: int, n: int = 0):
+        """f16 weight slot i (flat), grown to max(n, the largest layer weight)."""
         n = max(n, self.store.f16_elems)
-        if self._f16w is None or self._f16w.size < n:
-            self._f16w = cp.empty(n, cp.float16)                        # (n_out*n_in,) of the largest
-        return self._f16w
+        if self._f16w[i] is None or self._f16w[i].size < n:
+            self._f16w[i] = cp.empty(n, cp.float16)                     # (n,)
+        return self._f16w[i]
 
     def scratch(self) -> tuple:
         """The scratch buffers now in use (a captured graph keeps them alive)."""
-        return (tuple(self._q8), self._f16x, self._f16w)
+        return (tuple(self._q8), self._f16x, tuple(self._f16w))
 
     def scratch_bytes(self) -> int:
-        return sum(int(a.nbytes) for a in (self._f16x, self._f16w) if a is not None)
+        return sum(int(a.nbytes) for a in (self._f16x, *self._f16w) if a is not None)

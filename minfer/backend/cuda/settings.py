@@ -43,7 +43,7 @@ class CudaSettings:
     f16_min_t: int = F16_GEMM_MIN_T
     ffn_f16: bool = True           # fused f16 FFN (MINFER_FFN_F16)
     f16_weights: bool = False      # f16 copies of the f16 engine's weights, made at load (MINFER_F16_WEIGHTS)
-    gateup_fused: bool = True      # q4_K gate/up + SwiGLU in one Hopper kernel at short prompts (MINFER_GATEUP_FUSED)
+    gateup_fused: bool = True      # q4_K gate/up + SwiGLU in one Hopper kernel (gemm.GATEUP_KERNELS; MINFER_GATEUP_FUSED)
     flash_wgmma: bool = True       # wgmma flash attention where the GPU has it (MINFER_FLASH_WGMMA)
     graphs: bool = True            # CUDA graphs of the decoder layers (MINFER_CUDA_GRAPHS)
     dependent_launches: bool = True  # programmatic dependent launches in captured graphs (MINFER_PDL)
