@@ -6,6 +6,7 @@
 #   bash scripts/gpu_check.sh              # from the repository root
 #   GOLDEN_UPDATE=1 bash scripts/gpu_check.sh   # (re)make tests/golden first (-> $OUT/golden.tgz)
 #   GOLDEN_CHECK=0 PYTEST_TIMEOUT=180 BENCH_REPS=3  # a shorter run
+#   GPU_TESTS=0 BENCH_7B=1 bash scripts/gpu_check.sh  # the 7B steps without the GPU tests
 #   BENCH_7B=1 bash scripts/gpu_check.sh        # + the 7B twin: bench, A/Bs of W_exp and the fused
 #                                               #   gate/up kernel, 3-mode greedy,
 #                                               #   GEMM engine by prompt length (AB_7B=0 skips the
@@ -61,14 +62,19 @@ if [ "${GOLDEN_UPDATE:-0}" = 1 ] || ! ls tests/golden/*.json >/dev/null 2>&1; th
     fi
 fi
 
-# 3. the GPU tests (every gpu-marked test under tests/)
-timeout ${PYTEST_TIMEOUT:-400} python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider \
-    tests/ \
-    >"$LOG/pytest_gpu.log" 2>&1
-rc=$?
-sum=$(tail -n 1 "$LOG/pytest_gpu.log")
-[ $rc = 0 ] && record pytest-gpu ok "$sum" || record pytest-gpu FAIL "rc=$rc $sum"
-grep -E "^(FAILED|ERROR)" "$LOG/pytest_gpu.log" | head -20
+# 3. the GPU tests (every gpu-marked test under tests/; GPU_TESTS=0 skips them, for a
+#    second call that only benchmarks)
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+    timeout ${PYTEST_TIMEOUT:-400} python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider \
+        tests/ \
+        >"$LOG/pytest_gpu.log" 2>&1
+    rc=$?
+    sum=$(tail -n 1 "$LOG/pytest_gpu.log")
+    [ $rc = 0 ] && record pytest-gpu ok "$sum" || record pytest-gpu FAIL "rc=$rc $sum"
+    grep -E "^(FAILED|ERROR)" "$LOG/pytest_gpu.log" | head -20
+else
+    record pytest-gpu skipped "GPU_TESTS=0"
+fi
 
 # 4. SASS check (LDGSTS in the EXP=true MMQ build), started above
 if [ -n "$SASS_PID" ]; then
@@ -174,8 +180,10 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
         if [ "${AB_GRAPHS:-1}" = 1 ]; then       # CUDA graphs of the layers vs eager, at 512 tokens
             ab_step ab-graphs -p 512 --a MINFER_CUDA_GRAPHS=1 --b MINFER_CUDA_GRAPHS=0
         fi
-        if [ "${AB_GATEUP:-1}" = 1 ]; then       # the fused q4_K gate/up + SwiGLU kernel vs the chain
+        if [ "${AB_GATEUP:-1}" = 1 ]; then       # the gate/up + SwiGLU kernels vs the chain:
+            # the q4_K one at 512 tokens, the f16 one at 3,325
             ab_step ab-gateup -p ${AB_GATEUP_TOKENS:-512} --a MINFER_GATEUP_FUSED=1 --b MINFER_GATEUP_FUSED=0
+            ab_step ab-gateup-f16 -p 3325 --a MINFER_GATEUP_FUSED=1 --b MINFER_GATEUP_FUSED=0
         fi
         if [ "${AB_FFN:-1}" = 1 ]; then          # f16 FFN intermediates vs f32, at 3325 tokens
             ab_step ab-ffn16 -p 3325 --a MINFER_FFN_F16=1 --b MINFER_FFN_F16=0
@@ -197,6 +205,23 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             record 7b-greedy-modes ok "$(wc -c </tmp/g7b_exp.txt) bytes identical in exp / exp=off / fallback! / gate/up chain"
         else
             record 7b-greedy-modes FAIL "streams differ or are empty (see bench.log)"
+        fi
+        # the same at a prompt long enough for the f16 gate/up kernel (~2,000 tokens), whose
+        # launches hand each next layer's gate/up on: its stream against the chain's,
+        # and its counters live (every layer's launch, all but the last with the next pair)
+        P="$(printf 'The capital of France is Paris. %.0s' $(seq 280))The capital of Italy is"
+        for mode in exp chain; do
+            case $mode in exp) envs=() ;; chain) envs=(MINFER_GATEUP_FUSED=0) ;; esac
+            env "${envs[@]}" MINFER_MMQ_RAW_NB_DEBUG=1 timeout 120 python3 -m minfer generate -m "$TWIN" \
+                --backend cuda -q -n 24 --ignore-eos -p "$P" >"/tmp/g7l_$mode.txt" 2>"/tmp/g7l_$mode.err"
+            echo "--- 7B greedy, long prompt, mode $mode: $(wc -c <"/tmp/g7l_$mode.txt") bytes; $(grep -E 'gate/up (f16|ahead):' "/tmp/g7l_$mode.err" | tr '\n' ' ')" >>"$LOG/bench.log"
+        done
+        f16n=$(grep -oP 'gate/up f16: \K[0-9]+' /tmp/g7l_exp.err); ahn=$(grep -oP 'gate/up ahead: \K[0-9]+' /tmp/g7l_exp.err)
+        if [ -s /tmp/g7l_exp.txt ] && cmp -s /tmp/g7l_exp.txt /tmp/g7l_chain.txt && [ "${f16n:-0}" -gt 0 ] \
+                && [ "${ahn:-0}" -gt 0 ] && [ "$(grep -oP 'gate/up f16: \K[0-9]+' /tmp/g7l_chain.err)" = 0 ]; then
+            record 7b-greedy-long ok "$(wc -c </tmp/g7l_exp.txt) bytes identical, f16 kernel / chain (gate/up f16 $f16n, ahead $ahn)"
+        else
+            record 7b-greedy-long FAIL "streams differ, are empty, or the f16 kernel did not run (see bench.log)"
         fi
         timeout 150 python3 scripts/gemm_paths.py -r 7 >>"$LOG/bench.log" 2>&1 \
             && record gemm-paths ok "$(grep 'wins for the whole layer' "$LOG/bench.log" | tr '\n' ' ')" \

@@ -41,7 +41,7 @@ FLASH90 = ROOT / "kernels" / "flash_attn_sm90.cu"
 # two blocks of FA90_WG warpgroups per SM (__launch_bounds__ of flash_attn_f16_sm90)
 MAX_REGS_FLASH90 = 65536 // (128 * K["FA90_WG"] * 2)
 GATEUP90 = ROOT / "kernels" / "gateup_sm90.cu"
-# one block of GU_THREADS (384) per SM (__launch_bounds__ of gateup_swiglu_q4k; its
+# one block of GU_THREADS (384) per SM (__launch_bounds__ of both gate/up kernels; their
 # consumer warpgroups raise theirs with setmaxnreg) -> 168 (alloc granule 8)
 MAX_REGS_GATEUP90 = 65536 // K["GU_THREADS"] // 8 * 8
 
@@ -137,7 +137,7 @@ def main() -> int:
         else:
             print(f"WARNING: {msg}")
     bad += check_sm90(FLASH90, "flash_attn_f16_sm90", MAX_REGS_FLASH90)
-    bad += check_sm90(GATEUP90, "gateup_swiglu_q4k", MAX_REGS_GATEUP90)
+    bad += check_sm90(GATEUP90, "gateup_swiglu_q4k, _f16", MAX_REGS_GATEUP90)
     for b in bad:
         print(f"FAIL: {b}")
     if not bad:
