@@ -295,10 +295,12 @@ __device__ __forceinline__ void gu_consume(u8* sm, u32 s_ring, u32 s_full, u32 s
 // The tile of work unit b (gateup_swiglu_q4k: block b): units 0 .. n_full-1 are whole
 // tiles 0 .. n_full-1 (64 features x 256 tokens), each later unit half of one of the
 // remaining tiles (128 tokens), so a last wave that would hold few whole tiles holds
-// twice as many half tiles instead (gateup.py's tiling decides n_full). Tiles are numbered by 256-token row first, then
-// feature block: the blocks running at once cover a few feature blocks for every row,
-// so each weight row is read from memory about once and X (all rows) stays in L2;
-// numbered the other way, every row streamed the whole weight again. A half tile may
+// twice as many half tiles instead (gateup.py's tiling decides n_full). Tiles are
+// numbered by 256-token row first, then feature block: the blocks running at once
+// cover a few feature blocks for every row, whose weight rows and X fit in L2;
+// numbered the other way, they covered one row and 132 feature blocks, and every row
+// read the whole weight from memory again (the f16 kernel at 3,325 tokens now reads
+// 690 MB from DRAM for its 272 MB of weights, docs/PERF.md 6.46). A half tile may
 // start past the prompt's end (m0 >= T).
 struct GuTile { bool whole; int f0, m0; };
 
@@ -506,9 +508,9 @@ __device__ __forceinline__ void gu16_ahead(const u8* __restrict__ gate, const u8
 // takes units b, b + grid, ... ahead_gate / ahead_up: the next layer's gate and up
 // (q4_K as stored, d_ff x K each), ahead_out: its (2 d_ff, K) f16 array (not w16),
 // ahead_groups: d_ff K / 16, or 0 for none; block b dequantizes its 1/grid of their
-// super-blocks, a slice after each of its tiles. K % 256 == 0. Grid <= n_units, or any grid when
-// there is a next pair (a block without units only dequantizes); block GU_THREADS,
-// GU16_SMEM bytes of dynamic shared memory.
+// super-blocks, a slice after each of its tiles. K % 256 == 0. Grid <= n_units, or
+// any grid when there is a next pair (a block without units only dequantizes); block
+// GU_THREADS, GU16_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(GU_THREADS, 1)
 gateup_swiglu_f16(const u8* __restrict__ xmaps, const u8* __restrict__ wmap, u16* __restrict__ h, int T,
                   int d_ff, int K, int n_full, int n_units, const u8* __restrict__ ahead_gate,
