@@ -64,14 +64,14 @@ def _numpy_h(gate, up, x16, K: int) -> np.ndarray:
 def _w16(cp, gate, up):
     """gate and up dequantized by dequant_f16 as rows [gate; up] of one f16 array."""
     from minfer.backend.cuda import f16
-    d_ff, K = gate.shape[0], x_cols(gate)
+    d_ff, K = gate.shape[0], _n_in(gate)
     w16 = cp.empty(2 * d_ff * K, cp.float16)
     f16.dequant_f16_many([(cp.asarray(w), QT.Q4_K, d_ff, K, w16[i * d_ff * K:(i + 1) * d_ff * K], None)
                           for i, w in enumerate((gate, up))])
     return w16.reshape(2 * d_ff, K)
 
 
-def x_cols(raw) -> int:
+def _n_in(raw) -> int:
     """A q4_K weight's input count from its row bytes."""
     return raw.shape[1] // 144 * 256
 
