@@ -34,8 +34,9 @@ __device__ __forceinline__ Q4kGroup q4k_group_load(const u8* __restrict__ w, lon
     return q4k_group_at(w + (i >> 4) * Q4K_BYTES, (int)(i & 15));
 }
 
-// byte k of v (a nibble 0..15) as an exact f32, without an int-to-float conversion
-// (a quarter-rate instruction): the byte placed in the mantissa of 2^23, 2^23 taken off
+// byte k of v (any byte: a nibble 0..15, or 16 times one) as an exact f32, without an
+// int-to-float conversion (a quarter-rate instruction): the byte placed in the
+// mantissa of 2^23, 2^23 taken off
 __device__ __forceinline__ float q4k_nibble_f32(u32 v, int k) {
     return __int_as_float(__byte_perm(v, 0x4B000000u, 0x7440 | k)) - 8388608.f;
 }
