@@ -78,18 +78,30 @@ def _x_maps(xh):
                                  for rows in (TOKENS, TOKENS // 2)))
 
 
+def _checked(name: str, xh, d_ff: int, out) -> tuple:
+    """Both wrappers' checks: the shape fits the kernels on this GPU, xh f16 (T, n_in)
+    -> (T, n_in, h f16 (T, d_ff), into out when given)."""
+    T, n_in = xh.shape
+    if not fits((QT.Q4_K, QT.Q4_K), d_ff, n_in, device_cc()):
+        raise ValueError(f"{name}: ({d_ff}, {n_in}) weights need d_ff % {FEATURES} == 0, "
+                         f"n_in % {QK_K} == 0 and a compute capability 9.0 GPU")
+    check(xh, "gateup x16", cp.float16, align16=True)
+    h = check(scratch_view(out, (T, d_ff), "gateup out", cp.float16), "gateup out", cp.float16,
+              align16=True)                                                       # (T, d_ff)
+    return T, n_in, h
+
+
+def _check_q4k(raw, what: str, d_ff: int, n_in: int) -> None:
+    """raw: a q4_K weight (d_ff, n_in) as stored, uint8 (d_ff, n_in/256*144)."""
+    check(raw, what, cp.uint8, (d_ff, n_in // QK_K * Q4K_BYTES), align16=True)
+
+
 def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
     """xh f16 (T, n_in), gate_raw / up_raw uint8 (d_ff, n_in/256*144) q4_K blocks as
     stored -> h f16 (T, d_ff) (into out when given)."""
-    T, n_in = xh.shape
-    if not fits((QT.Q4_K, QT.Q4_K), d_ff, n_in, device_cc()):
-        raise ValueError(f"gateup_swiglu_q4k: ({d_ff}, {n_in}) weights need d_ff % {FEATURES} == 0, "
-                         f"n_in % {QK_K} == 0 and a compute capability 9.0 GPU")
-    check(xh, "gateup x16", cp.float16, align16=True)
+    T, n_in, h = _checked("gateup_swiglu_q4k", xh, d_ff, out)                      # h (T, d_ff)
     for raw, what in ((gate_raw, "gate"), (up_raw, "up")):
-        check(raw, f"gateup {what}", cp.uint8, (d_ff, n_in // QK_K * Q4K_BYTES), align16=True)
-    h = check(scratch_view(out, (T, d_ff), "gateup out", cp.float16), "gateup out", cp.float16,
-              align16=True)                                                       # (T, d_ff)
+        _check_q4k(raw, f"gateup {what}", d_ff, n_in)
     if T == 0:
         return h
     xmaps = _x_maps(xh)
@@ -110,19 +122,13 @@ def gateup_swiglu_f16(xh, w16, d_ff: int, ahead=None, out=None):
     (gate_raw, up_raw, out16): two more q4_K weights (d_ff, n_in) as stored, which the
     launch dequantizes into out16 (f16, 2 d_ff x n_in elements, not w16's memory) as
     dequant_f16 would."""
-    T, n_in = xh.shape
-    if not fits((QT.Q4_K, QT.Q4_K), d_ff, n_in, device_cc()):
-        raise ValueError(f"gateup_swiglu_f16: ({d_ff}, {n_in}) weights need d_ff % {FEATURES} == 0, "
-                         f"n_in % {QK_K} == 0 and a compute capability 9.0 GPU")
-    check(xh, "gateup x16", cp.float16, align16=True)
+    T, n_in, h = _checked("gateup_swiglu_f16", xh, d_ff, out)                      # h (T, d_ff)
     check(w16, "gateup w16", cp.float16, (2 * d_ff, n_in), align16=True)
-    h = check(scratch_view(out, (T, d_ff), "gateup out", cp.float16), "gateup out", cp.float16,
-              align16=True)                                                       # (T, d_ff)
     gate_a, up_a, out_a, groups = NULL, NULL, NULL, 0
     if ahead is not None:
         gate_a, up_a, out_a = ahead
         for raw, what in ((gate_a, "gate"), (up_a, "up")):
-            check(raw, f"gateup ahead {what}", cp.uint8, (d_ff, n_in // QK_K * Q4K_BYTES), align16=True)
+            _check_q4k(raw, f"gateup ahead {what}", d_ff, n_in)
         out_a = check(scratch_view(out_a, (2 * d_ff, n_in), "gateup ahead out", cp.float16),
                       "gateup ahead out", cp.float16, align16=True)               # (2 d_ff, n_in)
         if out_a.data.ptr == w16.data.ptr:

@@ -352,8 +352,7 @@ class Gemms:
         layer's (gate, up), or None."""
         T, d_ff = h.shape[0], gate.n_out
         xh = h if h.dtype == cp.float16 else f16.cast_f16(h, self._x16(h.shape))   # (T, d)
-        has_f16 = self.store.f16_of(gate) is not None or self.store.f16_of(up) is not None
-        kind = gateup_kernel(T, gate, up, self.settings, has_f16, device_cc())
+        kind = gateup_kernel(T, gate, up, self.settings, self._has_f16(gate, up), device_cc())
         if kind == "f16":
             return self._f16_residual(self._gateup_f16(xh, gate, up, ahead), down, residual)
         if kind == "q4k":
@@ -382,22 +381,20 @@ class Gemms:
         stream orders each slot's reads before its next writes."""
         T, d_ff, n = xh.shape[0], gate.n_out, 2 * gate.n_out * gate.n_in
         held, self._ahead = self._ahead, None
-        if held is not None and held[1:] == (gate.ptr, up.ptr):
-            slot = held[0]
+        handed = held is not None and held[1:] == (gate.ptr, up.ptr)
+        slot = held[0] if handed else 0
+        w16 = self._slot(slot, n)
+        if handed:
             for w in (gate, up):
                 self.counters.count(self.path(T, w))
-            w16 = self._slot(slot, n)
         else:
-            slot = 0
-            w16 = self._slot(slot, n)
             f16.dequant_f16_many([self._dequant_args(T, gate, w16[:n // 2]),
                                   self._dequant_args(T, up, w16[n // 2:])])
         job = None
         if ahead is not None:
             g2, u2 = ahead
             if (g2.n_out, g2.n_in, u2.n_out, u2.n_in) == (d_ff, gate.n_in, d_ff, gate.n_in) and gateup_kernel(
-                    T, g2, u2, self.settings, self.store.f16_of(g2) is not None or self.store.f16_of(u2) is not None,
-                    device_cc()) == "f16":
+                    T, g2, u2, self.settings, self._has_f16(g2, u2), device_cc()) == "f16":
                 job = (g2.data, u2.data, self._slot(1 - slot, n)[:n])
         self.counters.counts["gate/up f16"] += 1
         # h in a buffer of its own, not the _x16 scratch: xh may live there
@@ -407,6 +404,10 @@ class Gemms:
             self.counters.counts["gate/up ahead"] += 1
             self._ahead = (1 - slot, ahead[0].ptr, ahead[1].ptr)
         return h
+
+    def _has_f16(self, gate: GpuWeight, up: GpuWeight) -> bool:
+        """Is an f16 copy kept for gate or up (settings.f16_weights)?"""
+        return self.store.f16_of(gate) is not None or self.store.f16_of(up) is not None
 
     def _f16_residual(self, xh, w: GpuWeight, residual=None, bias=None, out=None):
         """xh f16 @ W^T [+ bias] [+ residual (consumed)]: the GEMM accumulates into the
