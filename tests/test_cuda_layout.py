@@ -229,20 +229,25 @@ def test_every_kernel_waits_for_its_predecessor_first():
 
 def test_early_start_only_right_after_a_kernel_of_ours():
     """dependent.early(): a kernel may start before its wait only while dependent
-    launches are on and the last launch was not a library's (cuBLAS may release its
-    dependents before its own wait); a dependent launch of ours clears that."""
+    launches are on and the last launch was neither a library's (cuBLAS may release
+    its dependents before its own wait) nor one of ours that uses the weight scratch
+    (the f16 gate/up kernel: its blocks may still read it); a dependent launch of ours
+    clears both."""
     from minfer.backend.cuda import dependent
     st = dependent.STATE
-    saved = (st.on, st.after_library)
+    saved = (st.on, st.after_library, st.after_scratch)
     try:
-        st.on, st.after_library = False, False
+        st.on, st.after_library, st.after_scratch = False, False, False
         assert not dependent.early()                     # ordinary launches: never
         st.on = True
         assert dependent.early()
         dependent.library_launch()
         assert not dependent.early()
+        st.after_library = False
+        dependent.scratch_launch()
+        assert not dependent.early()
     finally:
-        st.on, st.after_library = saved
+        st.on, st.after_library, st.after_scratch = saved
 
 
 def test_driver_struct_layout():

@@ -17,8 +17,8 @@ full.
 One kind of kernel may do its work before its wait: the f16 dequantization of a
 weight (dequant_f16.cu's `early`), which reads only the quantized weights and
 writes only the weight scratch. Right after a kernel of ours (which waited for
-everything before it before letting this one start), every GEMM that read the
-scratch has completed; the dequantization then waits before it exits, so the GEMM
+everything before it before letting this one start) that does not use the scratch
+itself, every GEMM that read the scratch has completed; the dequantization then waits before it exits, so the GEMM
 after it still follows everything before. early() says when that holds.
 
 CuPy launches through cuLaunchKernel, which takes no launch attributes; this module
@@ -56,6 +56,10 @@ class _State:
     # its dependents before it has waited for its own predecessors; a kernel of ours
     # clears it. Only after one of ours may a kernel start before its wait (early()).
     after_library = False
+    # the last launch was a kernel of ours that reads or writes the f16 weight scratch
+    # (gateup_swiglu_f16): a dequantization starting early would write the slot it may
+    # still read on another SM. The next launch of ours clears it.
+    after_scratch = False
     early_dequants = 0   # f16 dequantizations launched to start before their wait (f16.py)
 
 
@@ -64,12 +68,18 @@ def library_launch() -> None:
     STATE.after_library = True
 
 
+def scratch_launch() -> None:
+    """Say that the kernel of ours just launched uses the f16 weight scratch."""
+    STATE.after_scratch = True
+
+
 def early() -> bool:
     """May the kernel launched next start its work before it waits for its
     predecessor (doing the wait before it exits)? Only as a dependent launch right
-    after a kernel of ours: then everything before that kernel has completed. The
-    kernel must write nothing that a kernel still running may read or write."""
-    return STATE.on and not STATE.after_library
+    after a kernel of ours that leaves the weight scratch alone: then everything
+    before that kernel has completed. The kernel must write nothing that a kernel
+    still running may read or write."""
+    return STATE.on and not STATE.after_library and not STATE.after_scratch
 
 
 STATE = _State()
@@ -133,4 +143,4 @@ def launch(fn, grid: tuple, block: tuple, args: tuple, shared_mem: int, cp) -> N
     if err:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
     STATE.launched += 1
-    STATE.after_library = False
+    STATE.after_library = STATE.after_scratch = False

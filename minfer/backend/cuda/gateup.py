@@ -23,7 +23,7 @@ import functools
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from . import tma
+from . import dependent, tma
 from .launch import NULL, check, cp, device_cc, kernel, scratch_view
 from .nvrtc import ARCH_SPECIFIC, K
 
@@ -147,4 +147,7 @@ def gateup_swiglu_f16(xh, w16, d_ff: int, ahead=None, out=None):
         (grid,), (K["GU_THREADS"],),
         (_x_maps(xh), wmap, h, np.int32(T), np.int32(d_ff), np.int32(n_in), np.int32(whole), np.int32(units),
          gate_a, up_a, out_a, np.int64(groups)), shared_mem=K["GU16_SMEM"])
+    # its blocks read w16 and write the next pair until each exits: a dequantization
+    # right after it must not start before its wait
+    dependent.scratch_launch()
     return h
