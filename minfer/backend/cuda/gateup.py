@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from . import dependent, tma
-from .launch import NULL, check, cp, device_cc, kernel, scratch_view
+from .launch import NULL, check, cp, device_cc, kernel, scratch_view, sm_count
 from .nvrtc import ARCH_SPECIFIC, K
 
 _FILE = "gateup_sm90.cu"
@@ -52,12 +52,6 @@ def tiling(T: int, d_ff: int, n_sm: int) -> tuple[int, int]:
     last = tiles % n_sm
     whole = tiles - last if 0 < 2 * last <= n_sm else tiles
     return whole, whole + 2 * (tiles - whole)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    """The device's SM count (tiling's n_sm)."""
-    return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,7 +102,7 @@ def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
     wmaps = tma.device_maps(tuple(tma.map_2d(raw, FEATURES, box, tma.SWIZZLE_NONE)
                                   for raw in (gate_raw, up_raw) for box in (16, 32)))
     dev = cp.cuda.Device().id
-    whole, blocks = tiling(T, d_ff, _sm_count(dev))
+    whole, blocks = tiling(T, d_ff, sm_count())
     _kernel(dev)((blocks,), (K["GU_THREADS"],),
                  (xmaps, wmaps, h, np.int32(T), np.int32(d_ff), np.int32(n_in), np.int32(whole)),
                  shared_mem=K["GU_SMEM"])
@@ -138,7 +132,7 @@ def gateup_swiglu_f16(xh, w16, d_ff: int, ahead=None, out=None):
         raise ValueError("gateup_swiglu_f16: no tokens")
     wmap = tma.device_maps((tma.map_2d(w16, FEATURES, 64, tma.SWIZZLE_128B),))
     dev = cp.cuda.Device().id
-    n_sm = _sm_count(dev)
+    n_sm = sm_count()
     whole, units = tiling(T, d_ff, n_sm)
     # persistent: a block an SM walks the units (all SMs while there is a next pair:
     # each dequantizes its share of it)

@@ -171,3 +171,13 @@ def is_oom(e: BaseException) -> bool:
     if isinstance(e, cp.cuda.memory.OutOfMemoryError):
         return True
     return isinstance(e, cp.cuda.runtime.CUDARuntimeError) and "MemoryAllocation" in str(e)
+
+
+def sm_count() -> int:
+    """The current device's SM count (the persistent kernels' grid)."""
+    return _sm_count(cp.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    return int(cp.cuda.Device(device_id).attributes["MultiProcessorCount"])
