@@ -201,23 +201,37 @@ def test_ffn_takes_the_q4k_kernel_with_the_same_bits(cp, cuda_linears, T):
 
 
 @pytest.mark.parametrize("T", _kind_lengths("f16"))
-def test_ffn_layers_take_the_f16_kernel_and_hand_the_next_pair_on(cp, cuda_linears, T):
+def test_ffn_layers_take_the_f16_kernel_and_hand_the_next_pair_on(cp, cuda_linears, monkeypatch, T):
     """Three layers' FFNs in order, each told the next layer's gate/up: the first
-    dequantizes its pair, each launch writes the next one's, and every layer's output
-    has the bits of the chain (kernels off). The counters: three f16 launches, two of
+    dequantizes its pair, each launch writes the next one's (the later pairs never
+    reach a dequantization), and every layer's output has the bits of the chain
+    (kernels off). The counters: three f16 launches, two of
     them with the next pair, gate and up counted once a layer either way."""
+    from minfer.backend.cuda import f16
     d, d_ff, n = 512, 1280, 3
     runs = {}
+    dequantized = []                                   # the raw weights dequant_f16_many saw
+    real = f16.dequant_f16_many
+
+    def recording(weights):
+        dequantized.extend(int(w[0].data.ptr) for w in weights)
+        return real(weights)
+
+    monkeypatch.setattr(f16, "dequant_f16_many", recording)
     for fused in (True, False):
         st, gemm = cuda_linears(gateup_fused=fused)
         layers = _ffn_weights(st, n, d, d_ff)
         gemm.counters.reset()
+        dequantized.clear()
         ys = []
         for i, ws in enumerate(layers):
             xh = cp.asarray(_acts(T, d, seed=T + i)).astype(cp.float16)
             res = cp.asarray(_acts(T, d, seed=T + 10 + i))
             ahead = (layers[i + 1][0], layers[i + 1][1]) if i + 1 < n else None
             ys.append(cp.asnumpy(gemm.ffn_f16(xh, *ws, residual=res, ahead=ahead)))
+        if fused:                                      # only layer 0's pair by a dequantization
+            gu = [{w.ptr for w in ws[:2]} for ws in layers]
+            assert gu[0] <= set(dequantized) and not (gu[1] | gu[2]) & set(dequantized)
         runs[fused] = (ys, dict(gemm.counters.counts), gemm._ahead)
     (y1, c1, held1), (y0, c0, held0) = runs[True], runs[False]
     assert (c1["gate/up f16"], c1["gate/up ahead"], c1["gate/up fused"]) == (n, n - 1, 0)
