@@ -205,8 +205,8 @@ def test_ffn_layers_take_the_f16_kernel_and_hand_the_next_pair_on(cp, cuda_linea
     """Three layers' FFNs in order, each told the next layer's gate/up: the first
     dequantizes its pair, each launch writes the next one's (the later pairs never
     reach a dequantization), and every layer's output has the bits of the chain
-    (kernels off). The counters: three f16 launches, two of
-    them with the next pair, gate and up counted once a layer either way."""
+    (kernels off). The counters: three f16 launches, two of them with the next pair,
+    gate and up counted once a layer either way."""
     from minfer.backend.cuda import f16
     d, d_ff, n = 512, 1280, 3
     runs = {}

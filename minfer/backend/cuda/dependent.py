@@ -18,8 +18,9 @@ One kind of kernel may do its work before its wait: the f16 dequantization of a
 weight (dequant_f16.cu's `early`), which reads only the quantized weights and
 writes only the weight scratch. Right after a kernel of ours (which waited for
 everything before it before letting this one start) that does not use the scratch
-itself, every GEMM that read the scratch has completed; the dequantization then waits before it exits, so the GEMM
-after it still follows everything before. early() says when that holds.
+itself, every GEMM that read the scratch has completed; the dequantization then
+waits before it exits, so the GEMM after it still follows everything before.
+early() says when that holds.
 
 CuPy launches through cuLaunchKernel, which takes no launch attributes; this module
 calls the driver's cuLaunchKernelEx through ctypes and packs the arguments as
