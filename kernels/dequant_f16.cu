@@ -18,7 +18,6 @@
 
 #include "common.cuh"
 #include "q4k_f16.cuh"
-#include "q6k_f16.cuh"
 
 // Thread layout shared by the three types: one thread per 16 outputs, 16 threads
 // per super-block b. Thread c (0..15) writes the 8-element chunks c and c + 16, i.e.
@@ -36,20 +35,73 @@
 // early after a library kernel (cuBLAS may release its dependents before it has
 // waited for its own predecessors): the usual wait first.
 
-// q4_K: q4k_group_f16 (q4k_f16.cuh); q6_K: q6k_f16.cuh's groups, shared with
-// gateup_sm90.cu. Thread i < n_grp writes group i.
+// q4_K: q4k_group_f16 (q4k_f16.cuh), shared with gateup_sm90.cu.
 
-// q6_K padded (224 B stride: every super-block 16-byte aligned) -> f16
+// q6_K element e (0..255) of a super-block (ggml dequantize_row_q6_K):
+//   half n = e/128, c4 = (e%128)/32, l = e%32
+//   q = (ql[64n + 32*(c4&1) + l] >> 4*(c4>>1)) & 0xF | ((qh[32n + l] >> 2*c4) & 3) << 4
+//   value d * scales[e/16] * (q - 32)
+// Chunk c (elements 8c..8c+7, half 0): c4 = c/4, l = 8*(c%4) + 0..7, scale c/2.
+// Chunk c+16 (half 1): the same with ql + 64, qh + 32, scale 8 + c/2.
+
+// q6_K padded (224 B stride) -> f16, thread i < n_grp
 __device__ __forceinline__ void q6k_group_f16(const u8* __restrict__ w, u16* __restrict__ y, long long i) {
-    q6k_group_store_at(w + (i >> 4) * Q6K_PADDED, y, i);
+    const long long b = i >> 4;
+    const int c = (int)(i & 15);
+    const int c4 = c >> 2, l0 = 8 * (c & 3);
+    const u8* blk = w + b * Q6K_PADDED;                      // 224 = 14*16: aligned
+    const int ql_off = 32 * (c4 & 1) + l0;
+    const uint2 ql_a = *(const uint2*)(blk + ql_off);        // half 0
+    const uint2 ql_b = *(const uint2*)(blk + ql_off + 64);   // half 1
+    const uint2 qh_a = *(const uint2*)(blk + Q6K_QH + l0);
+    const uint2 qh_b = *(const uint2*)(blk + Q6K_QH + l0 + 32);
+    const float d = load_f16(blk + Q6K_D);
+    const float ds_a = __fmul_rn(d, (float)(i8)blk[Q6K_SC + (c >> 1)]);
+    const float ds_b = __fmul_rn(d, (float)(i8)blk[Q6K_SC + 8 + (c >> 1)]);
+    const int sl = 4 * (c4 >> 1), shh = 2 * c4;
+
+    float va[8], vb[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int bit = 8 * (k & 3);
+        const int qa = ((((k < 4 ? ql_a.x : ql_a.y) >> (bit + sl)) & 0xF) |
+                        ((((k < 4 ? qh_a.x : qh_a.y) >> (bit + shh)) & 3) << 4)) - 32;
+        const int qb = ((((k < 4 ? ql_b.x : ql_b.y) >> (bit + sl)) & 0xF) |
+                        ((((k < 4 ? qh_b.x : qh_b.y) >> (bit + shh)) & 3) << 4)) - 32;
+        va[k] = __fmul_rn(ds_a, (float)qa);
+        vb[k] = __fmul_rn(ds_b, (float)qb);
+    }
+    u16* dst = y + b * QK_K + 8 * c;
+    store8_f16(dst, va);
+    store8_f16(dst + 128, vb);
 }
 
-// q6_K from the W_exp plane (dense centered int8 (ql|qh<<4)-32, row stride n_in,
-// super-block stride 256: flattened, plane element b*256 + e is super-block b's
-// element e) with d and the scales from the padded blocks -> f16
+// q6_K from the W_exp plane (dense centered int8 (ql|qh<<4)-32, row
+// stride n_in, super-block stride 256) with d and the scales from the padded
+// blocks -> f16. Flattened, plane element b*256 + e is super-block b's element e.
+// Thread i < n_grp.
 __device__ __forceinline__ void q6k_exp_group_f16(const u8* __restrict__ w, const i8* __restrict__ wexp,
                                                   u16* __restrict__ y, long long i) {
-    q6k_exp_group_store_at(w + (i >> 4) * Q6K_PADDED, wexp + (i >> 4) * QK_K, y, i);
+    const long long b = i >> 4;
+    const int c = (int)(i & 15);
+    const u8* blk = w + b * Q6K_PADDED;
+    const i8* pe = wexp + b * QK_K + 8 * c;
+    const uint2 pa = *(const uint2*)pe;                      // elements 8c..8c+7
+    const uint2 pb = *(const uint2*)(pe + 128);              // elements 128+8c..
+    const float d = load_f16(blk + Q6K_D);
+    const float ds_a = __fmul_rn(d, (float)(i8)blk[Q6K_SC + (c >> 1)]);
+    const float ds_b = __fmul_rn(d, (float)(i8)blk[Q6K_SC + 8 + (c >> 1)]);
+
+    float va[8], vb[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const int bit = 8 * (k & 3);
+        va[k] = __fmul_rn(ds_a, (float)(i8)(((k < 4 ? pa.x : pa.y) >> bit) & 0xFF));
+        vb[k] = __fmul_rn(ds_b, (float)(i8)(((k < 4 ? pb.x : pb.y) >> bit) & 0xFF));
+    }
+    u16* dst = y + b * QK_K + 8 * c;
+    store8_f16(dst, va);
+    store8_f16(dst + 128, vb);
 }
 
 // Up to DQ_SEGMENTS weights in one launch (a layer's q/k/v or gate/up, dequantized
