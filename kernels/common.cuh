@@ -185,3 +185,11 @@ __device__ __forceinline__ u32 f16_bits_rn(float f) {
 __device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
     return f16_bits_rn(lo) | (f16_bits_rn(hi) << 16);
 }
+
+// the f16 SwiGLU's step on two packed pairs: gate g and up u (f16 halves, lo first)
+// -> the two f16 silu_mul values, packed the same way (swiglu_f16 in dequant_f16.cu
+// and the f16 epilogues of gateup_sm90.cu)
+__device__ __forceinline__ u32 swiglu_f16x2(u32 g, u32 u) {
+    return f32x2_to_f16x2(silu_mul(f16_to_f32((u16)(g & 0xFFFF)), f16_to_f32((u16)(u & 0xFFFF))),
+                          silu_mul(f16_to_f32((u16)(g >> 16)), f16_to_f32((u16)(u >> 16))));
+}

@@ -146,13 +146,6 @@ cast_f32_f16(const float4* __restrict__ x, uint2* __restrict__ y, long long n4) 
     }
 }
 
-// f16 halves -> f32 (exact)
-__device__ __forceinline__ float f16_to_f32(u32 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
-    return f;
-}
-
 // gate, up (rows, cols) f16 -> y (rows, cols) f16 packed = silu(gate) * up, computed
 // in f32 as swiglu_f32 (elementwise.cu) and rounded once: the f16 FFN (gemm.py,
 // Gemms.ffn_f16) keeps its (T, d_ff) intermediates in f16, the precision the down
@@ -181,8 +174,7 @@ __device__ __forceinline__ void swiglu_f16_rows(const typename F16Vec<V>::T* __r
         u32 o[V / 2];
 #pragma unroll
         for (int k = 0; k < V / 2; ++k)
-            o[k] = f32x2_to_f16x2(silu_mul(f16_to_f32(gw[k] & 0xFFFF), f16_to_f32(uw[k] & 0xFFFF)),
-                                  silu_mul(f16_to_f32(gw[k] >> 16), f16_to_f32(uw[k] >> 16)));
+            o[k] = swiglu_f16x2(gw[k], uw[k]);
         y[(long long)r * colsv + c] = *(const typename F16Vec<V>::T*)o;
     }
 }

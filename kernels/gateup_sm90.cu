@@ -217,8 +217,7 @@ __device__ __forceinline__ void gu_store_h(const u8* tiles, u16* __restrict__ h,
         u32 o[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-            o[k] = f32x2_to_f16x2(silu_mul(f16_to_f32(gw[k] & 0xFFFF), f16_to_f32(uw[k] & 0xFFFF)),
-                                  silu_mul(f16_to_f32(gw[k] >> 16), f16_to_f32(uw[k] >> 16)));
+            o[k] = swiglu_f16x2(gw[k], uw[k]);
         *(uint4*)(h + (long long)(m0 + tok) * d_ff + f0 + 8 * chunk) = make_uint4(o[0], o[1], o[2], o[3]);
     }
 }
