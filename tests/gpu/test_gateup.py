@@ -138,12 +138,16 @@ def test_gateup_f16_dequantizes_the_next_pair_as_dequant_f16(cp, T, K, d_ff):
     assert np.array_equal(cp.asnumpy(out16).view(np.uint16), cp.asnumpy(_w16(cp, g2, u2)).view(np.uint16))
 
 
-def test_gateup_f16_refuses_its_own_weights_as_the_next_pairs_array(cp):
+@pytest.mark.parametrize("at", [0, 128 * 256, 3 * 128 * 256 // 2])    # w16's start, inside it, its last rows
+def test_gateup_f16_refuses_a_next_pairs_array_over_its_own_weights(cp, at):
     from minfer.backend.cuda import gateup
     gate, up, x16 = _case(cp, 64, 256, 128, seed=1)
-    w16 = _w16(cp, gate, up)
-    with pytest.raises(ValueError, match="this launch's w16"):
-        gateup.gateup_swiglu_f16(cp.asarray(x16), w16, 128, ahead=(cp.asarray(gate), cp.asarray(up), w16))
+    room = cp.empty(4 * 2 * 128 * 256, cp.float16)
+    w16 = room[:2 * 128 * 256].reshape(2 * 128, 256)
+    w16[...] = _w16(cp, gate, up)
+    with pytest.raises(ValueError, match="overlaps this launch's w16"):
+        gateup.gateup_swiglu_f16(cp.asarray(x16), w16, 128,
+                                 ahead=(cp.asarray(gate), cp.asarray(up), room[at:at + 2 * 128 * 256]))
 
 
 @pytest.mark.parametrize("kind", ["q4k", "f16"])

@@ -125,8 +125,9 @@ def gateup_swiglu_f16(xh, w16, d_ff: int, ahead=None, out=None):
             _check_q4k(raw, f"gateup ahead {what}", d_ff, n_in)
         out_a = check(scratch_view(out_a, (2 * d_ff, n_in), "gateup ahead out", cp.float16),
                       "gateup ahead out", cp.float16, align16=True)               # (2 d_ff, n_in)
-        if out_a.data.ptr == w16.data.ptr:
-            raise ValueError("gateup_swiglu_f16: the next weights' f16 array is this launch's w16")
+        a0, w0 = out_a.data.ptr, w16.data.ptr
+        if a0 < w0 + w16.nbytes and w0 < a0 + out_a.nbytes:
+            raise ValueError("gateup_swiglu_f16: the next weights' f16 array overlaps this launch's w16")
         groups = d_ff * n_in // 16
     if T == 0:
         raise ValueError("gateup_swiglu_f16: no tokens")
