@@ -46,6 +46,7 @@
 
 #include "common.cuh"
 #include "flash_common.cuh"
+#include "wgmma.cuh"
 
 // FA_HD, FA_BQ, FA_BK (as flash_attn.cu), FA90_WG (warpgroups a block) and
 // FA90_SMEM (dynamic shared bytes the launch passes) come from nvrtc.py
@@ -60,16 +61,9 @@ static_assert(FA_BQ == 64 * FA90_WG, "a warpgroup owns 64 rows");
 static_assert(FA_BK == 64, "S is one m64n64 wgmma chain; P feeds four k16 steps");
 static_assert(FA90_SMEM == FW_Q_BYTES + 4 * FW_KV_BYTES + 1024, "shared layout: Q, 2 x (K, V), alignment");
 
-typedef unsigned long long u64;
-
 // byte offset of 16-byte chunk c (dims 8c..8c+7) of row r in a two-panel tile
 __device__ __forceinline__ int fw_chunk(int panel_bytes, int r, int c) {
     return (c >> 3) * panel_bytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-}
-
-// shared-memory matrix descriptor, 128-byte swizzle (layout type 1 in bits 62-63)
-__device__ __forceinline__ u64 fw_desc(unsigned saddr, unsigned lbo, unsigned sbo) {
-    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
 }
 
 // x, hidden from the optimizer: a descriptor made in the loop from it is not hoisted
@@ -80,9 +74,6 @@ __device__ __forceinline__ u64 fw_opaque(u64 x) {
     return y;
 }
 
-__device__ __forceinline__ void fw_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void fw_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void fw_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fw_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 template <int N>
@@ -91,18 +82,13 @@ __device__ __forceinline__ void fw_pin(float (&r)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-#define FW_F8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
-                    "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-
 // d (64x64 f32) += A (64x16, smem desc a) * B (16x64, smem desc b, K-major)
 __device__ __forceinline__ void fw_mma_s(float (&d)[32], u64 a, u64 b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n}\n"
-        : FW_F8(d, 0), FW_F8(d, 8), FW_F8(d, 16), FW_F8(d, 24)
+        WG_D32 "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : WG_F32(d, 0)
         : "l"(a), "l"(b), "r"(1));
 }
 
@@ -111,13 +97,8 @@ __device__ __forceinline__ void fw_mma_o(float (&d)[64], const u32 (&a)[4], u64 
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-        "{%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
-        : FW_F8(d, 0), FW_F8(d, 8), FW_F8(d, 16), FW_F8(d, 24),
-          FW_F8(d, 32), FW_F8(d, 40), FW_F8(d, 48), FW_F8(d, 56)
+        WG_D64 "{%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+        : WG_F32(d, 0), WG_F32(d, 32)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
@@ -174,23 +155,23 @@ flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = 0.0f;
         fw_pin(s);
-        fw_fence();
+        wg_fence();
         {
-            const u64 da = fw_opaque(fw_desc(s_qa, 16, 1024)), db = fw_desc(s_k, 16, 1024);
+            const u64 da = fw_opaque(wg_desc(s_qa, 16, 1024)), db = wg_desc(s_k, 16, 1024);
 #pragma unroll
             for (int kc = 0; kc < FA_HD / 16; ++kc) {
                 const unsigned in = (kc & 3) * 32;    // 16 dims = 32 bytes into the swizzled row
                 fw_mma_s(s, da + (((kc >> 2) * FW_Q_PANEL + in) >> 4), db + (((kc >> 2) * FW_KV_PANEL + in) >> 4));
             }
         }
-        fw_commit();
+        wg_commit();
         if (j + 1 < it.n_tiles) {                     // the next tile's copies, behind the products
             u8* nxt = sm + FW_Q_BYTES + ((j + 1) & 1) * 2 * FW_KV_BYTES;
             fa_load_kv<FW_THREADS>(swizzled(nxt, FW_KV_PANEL), kb, pos_stride, k0 + FA_BK, it.n_keys);
             fa_load_kv<FW_THREADS>(swizzled(nxt + FW_KV_BYTES, FW_KV_PANEL), vb, pos_stride, k0 + FA_BK, it.n_keys);
             cp_commit();
         }
-        fw_wait0();
+        wg_wait<0>();
         fw_pin(s);
 
         // causal mask, only where the tile reaches past this warp's first query
@@ -255,12 +236,12 @@ flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
 
         // O += P V
         fw_pin(acc);
-        fw_fence();
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < FA_BK / 16; ++kk)
-            fw_mma_o(acc, pa[kk], fw_desc(s_v + kk * 16 * 128, FW_KV_PANEL, 1024));
-        fw_commit();
-        fw_wait0();
+            fw_mma_o(acc, pa[kk], wg_desc(s_v + kk * 16 * 128, FW_KV_PANEL, 1024));
+        wg_commit();
+        wg_wait<0>();
         fw_pin(acc);
     }
 

@@ -42,8 +42,7 @@
 
 #include "common.cuh"
 #include "q4k_f16.cuh"
-
-typedef unsigned long long u64;
+#include "wgmma.cuh"
 
 #define GU_X_BYTES (GU_TOKENS * 128)               // X tile: GU_TOKENS rows of 64 halves
 #define GU_H_BYTES (128 * 16)                      // headers: 128 rows (gate, up) x 16 B
@@ -86,34 +85,15 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, int c0, in
 
 // ---- wgmma ---------------------------------------------------------------------
 // shared-memory matrix descriptor of a K-major tile with 128-byte swizzle: rows of
-// 128 bytes, 8-row groups 1024 bytes apart (layout type 1 in bits 62-63)
-__device__ __forceinline__ u64 gu_desc(u32 saddr) {
-    return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
-}
-
-#define GU_F8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
-                    "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define GU_F32(d, i) GU_F8(d, i), GU_F8(d, i + 8), GU_F8(d, i + 16), GU_F8(d, i + 24)
-// the accumulator operands %0..%127 (m64n256) and %0..%63 (m64n128), in braces
-#define GU_D64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
-    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
-    "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
-    "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-#define GU_D128 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
-    "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
-    "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
-    "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63," \
-    "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79," \
-    "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95," \
-    "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111," \
-    "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
+// 128 bytes, 8-row groups 1024 bytes apart
+__device__ __forceinline__ u64 gu_desc(u32 saddr) { return wg_desc(saddr, 16, 1024); }
 
 // d (64 rows x 256 tokens, f32) += A (64 x 16 f16, registers) * B (16 x 256, smem desc b)
 __device__ __forceinline__ void gu_mma(float (&d)[128], const u32 (&a)[4], u64 b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-        GU_D128 "{%128,%129,%130,%131}, %132, 1, 1, 1, 0;\n"
-        : GU_F32(d, 0), GU_F32(d, 32), GU_F32(d, 64), GU_F32(d, 96)
+        WG_D128 "{%128,%129,%130,%131}, %132, 1, 1, 1, 0;\n"
+        : WG_F32(d, 0), WG_F32(d, 32), WG_F32(d, 64), WG_F32(d, 96)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
@@ -121,8 +101,8 @@ __device__ __forceinline__ void gu_mma(float (&d)[128], const u32 (&a)[4], u64 b
 __device__ __forceinline__ void gu_mma(float (&d)[64], const u32 (&a)[4], u64 b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        GU_D64 "{%64,%65,%66,%67}, %68, 1, 1, 1, 0;\n"
-        : GU_F32(d, 0), GU_F32(d, 32)
+        WG_D64 "{%64,%65,%66,%67}, %68, 1, 1, 1, 0;\n"
+        : WG_F32(d, 0), WG_F32(d, 32)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
@@ -249,10 +229,10 @@ __device__ __forceinline__ void gu_consume(u8* sm, u32 s_ring, u32 s_full, u32 s
             const int kt = kt0 + j;
             u32 (&a)[4][4] = fr[j & 1];
             const u64 desc = gu_desc(s_ring + s * GU_STAGE);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+            wg_fence();
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk) gu_mma(d, a[kk], desc + 2 * kk);   // + 32 bytes
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            wg_commit();
             const int s1 = s + 1 == GU_STAGES ? 0 : s + 1;
             const u32 phase1 = s1 == 0 ? phase ^ 1 : phase;
             if (kt + 1 < nk) {                      // the next k-tile's fragments meanwhile
@@ -264,7 +244,7 @@ __device__ __forceinline__ void gu_consume(u8* sm, u32 s_ring, u32 s_full, u32 s
                 }
                 gu_fragments(hd, st + GU_H_BYTES, r0, t, (j + 1) & 3, fr[(j + 1) & 1]);
             }
-            asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+            wg_wait<0>();
             // the products read `a` until here: its registers must not be reused before
             // (without this ptxas gave them to the next fragments' temporaries)
 #pragma unroll
@@ -388,8 +368,8 @@ static_assert(GU16_SMEM == GU16_STAGES * GU16_STAGE + GU16_EPI_BYTES + GU16_AHEA
 __device__ __forceinline__ void gu_mma_ss(float (&d)[128], u64 a, u64 b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-        GU_D128 "%128, %129, 1, 1, 1, 0, 0;\n"
-        : GU_F32(d, 0), GU_F32(d, 32), GU_F32(d, 64), GU_F32(d, 96)
+        WG_D128 "%128, %129, 1, 1, 1, 0, 0;\n"
+        : WG_F32(d, 0), WG_F32(d, 32), WG_F32(d, 64), WG_F32(d, 96)
         : "l"(a), "l"(b));
 }
 
@@ -397,8 +377,8 @@ __device__ __forceinline__ void gu_mma_ss(float (&d)[128], u64 a, u64 b) {
 __device__ __forceinline__ void gu_mma_ss(float (&d)[64], u64 a, u64 b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        GU_D64 "%64, %65, 1, 1, 1, 0, 0;\n"
-        : GU_F32(d, 0), GU_F32(d, 32)
+        WG_D64 "%64, %65, 1, 1, 1, 0, 0;\n"
+        : WG_F32(d, 0), WG_F32(d, 32)
         : "l"(a), "l"(b));
 }
 
@@ -427,16 +407,16 @@ __device__ __forceinline__ void gu16_tile(u8* epi, u32 s_ring, u32 s_full, u32 s
         mb_wait(s_full + 8 * ring.s, ring.phase);
         const u32 st = s_ring + ring.s * GU16_STAGE;
         const u64 bd = gu_desc(st), ad = gu_desc(st + GU_X_BYTES + c * GU16_W_BYTES);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) gu_mma_ss(d, ad + 2 * kk, bd + 2 * kk);   // + 32 bytes
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        wg_commit();
+        wg_wait<1>();
         if (prev >= 0 && threadIdx.x % 128 == 0) mb_arrive(s_empty + 8 * prev);
         prev = ring.s;
         gu_ring_next(ring);
     }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wg_wait<0>();
     if (threadIdx.x % 128 == 0) mb_arrive(s_empty + 8 * prev);
     if (!first) mb_wait(s_epi_free, epi_phase ^ 1);
     gu_park<NT>(epi + c * (GU_TOKENS * GU_FEATURES * 2), d);
