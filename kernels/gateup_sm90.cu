@@ -16,7 +16,7 @@
 // conversions cost ceil(T / 256) times the weight: with one or two nearly full block
 // rows that is less than the dequantization, with more rows or a mostly empty last
 // one it is more, and below ~128 tokens the conversions are most of the work
-// (docs/PERF.md 6.40, 6.43); gemm.py's gateup_fused decides the lengths.
+// (docs/PERF.md 6.40, 6.43); gemm.py's gateup_kernel decides the lengths.
 //
 // Block: 384 threads, one block an SM, a tile of 64 features f0.. of both weights x
 // 256 tokens m0.. (or a half tile of 128 tokens in the grid's last wave: see the
