@@ -195,3 +195,27 @@ def test_format_report_device_rows():
     assert "| device used | 7 |" in out and "| q6k exp | 27 |" in out
     r["memory_check"] = {"W_exp planes expected": 40, "problem": "planes hold 30, needs 40"}
     assert "= 40: MISMATCH: planes hold 30, needs 40 |" in format_report(r)
+
+
+def test_product_ceiling_flop_and_bad_input(repo_root):
+    """scripts/product_ceiling.py: its products' FLOP on the 7B header are 2·T times
+    the element count of the header's layer linears (counted here from the tensor
+    table); bad -p / -r exit 2 with one line, before any GPU work."""
+    sys.path.insert(0, str(repo_root / "scripts"))
+    try:
+        import product_ceiling
+    finally:
+        sys.path.pop(0)
+    from minfer.gguf import open_gguf
+    from minfer.synth import header_7b_path
+    gf = open_gguf(str(header_7b_path()), header_only=True)
+    try:
+        linears = sum(t.n_elements for n, t in gf.tensors.items()
+                      if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) == 2)
+    finally:
+        gf.close()
+    assert product_ceiling.product_flop(product_ceiling.shapes(header_7b_path()), 3325) == 2 * 3325 * linears
+    for argv in (["-p", "0"], ["-p", "512,x"], ["-r", "0"]):
+        p = subprocess.run([sys.executable, str(repo_root / "scripts" / "product_ceiling.py"), *argv],
+                           capture_output=True, text=True, timeout=60, cwd=repo_root)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and "-p expects" in p.stderr
