@@ -6,15 +6,16 @@ its repetitions, so the GPU is timed at the clock its power limit leaves it.
     python scripts/product_ceiling.py [-m MODEL_OR_HEADER] [-p 512,3325] [-r 10]
 
 Shapes from a GGUF header (default: the bundled DeepSeek-R1-Distill-Qwen-7B one).
-Per layer, the products as the CUDA backend runs them at these lengths: q/k/v as one
-cuBLASLt GEMM with an f16 output, o added to an f32 residual (beta = 1), gate/up as
-one GEMM with an f16 output, down added to the residual; f16 weights (seeded
-Gaussian, std 1/sqrt(n_in), one set per layer, so no layer finds the last one's
-weights in L2), f32 accumulation. `+attention` adds `flash_attention` over a
-causal prompt of the same length (head dim 128 only). Nothing else of a forward
-runs: no dequantization, norms, RoPE, SwiGLU or LM head; so tokens/s here bounds
-the bench's figure from above, and the gap between the two is what the rest of
-the forward costs.
+Per layer, the products through cuBLASLt with the shapes and output types of the
+backend's f16 engine (minfer/backend/cuda/gemm.py): q/k/v as one GEMM with an f32
+output, o added to an f32 residual (beta = 1), gate/up as one GEMM with an f16
+output, down added to the residual; f16 weights (seeded Gaussian, std 1/sqrt(n_in),
+one set per layer, so no layer finds the last one's weights in L2), f32
+accumulation. `+ attention` adds `flash_attention` over a causal prompt of the same
+length (head dim 128 only). Nothing else of a forward runs: no dequantization,
+norms, RoPE, SwiGLU or LM head. So tokens/s here is what a forward whose products
+run at cuBLAS's sustained rate cannot exceed, and the gap to `minfer bench` is what
+the rest of the forward costs.
 
 Each mode: two untimed forwards, then -r forwards timed one by one with CUDA
 events, back to back; modes alternate twice. With `nvidia-smi` on the PATH the
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
 
     def forward(T: int, with_attention: bool) -> None:
         x, h = x_full[:T], h_full[:T]
-        qkv = cp.empty((T, d + 2 * kv), cp.float16)
+        qkv = cp.empty((T, d + 2 * kv), cp.float32)
         gateup = cp.empty((T, 2 * f), cp.float16)
         res = cp.zeros((T, d), cp.float32)
         att = cp.empty((T, s["n_head"] * FA_HD), cp.float16) if with_attention else x
