@@ -259,16 +259,21 @@ def test_cgroup_room(tmp_path, files, room):
     assert cpu.cgroup_room(tmp_path) == room
 
 
-def test_available_bytes_takes_the_smaller_of_meminfo_and_the_cgroup(monkeypatch):
+@pytest.mark.parametrize("have, room, want", [(8 << 30, None, 8 << 30), (8 << 30, 4 << 30, 4 << 30),
+                                              (8 << 30, 80 << 30, 8 << 30), (None, 3 << 30, 3 << 30),
+                                              (None, None, None)])
+def test_available_bytes_takes_the_smaller_of_meminfo_and_the_cgroup(monkeypatch, have, room, want):
+    """Both sources fixed, so the test does not race the machine's own memory use."""
     from minfer.backend import cpu
-    monkeypatch.setattr(cpu, "cgroup_room", lambda: None)
-    free = cpu.available_bytes()
-    assert free is None or free > 0
-    if free is not None:
-        monkeypatch.setattr(cpu, "cgroup_room", lambda: free // 2)
-        assert cpu.available_bytes() == free // 2
-        monkeypatch.setattr(cpu, "cgroup_room", lambda: 10 * free)
-        assert cpu.available_bytes() == free
+    monkeypatch.setattr(cpu, "meminfo_available", lambda: have)
+    monkeypatch.setattr(cpu, "cgroup_room", lambda: room)
+    assert cpu.available_bytes() == want
+
+
+def test_meminfo_available_reads_this_machine():
+    from minfer.backend import cpu
+    have = cpu.meminfo_available()
+    assert have is None or have > 0
 
 
 def test_embed_dequantizes_only_the_rows_asked_for():

@@ -134,18 +134,22 @@ def cgroup_room(root: Path = CGROUP_ROOT) -> int | None:
     return None
 
 
-def available_bytes() -> int | None:
-    """What this process may still allocate: MemAvailable of /proc/meminfo, or less
-    where a memory cgroup (a container's limit) leaves less; None where neither says."""
-    have = None
+def meminfo_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where the file does not say."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    have = int(line.split()[1]) * 1024
-                    break
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def available_bytes() -> int | None:
+    """What this process may still allocate: MemAvailable of /proc/meminfo, or less
+    where a memory cgroup (a container's limit) leaves less; None where neither says."""
+    have = meminfo_available()
     room = cgroup_room()
     return room if have is None else have if room is None else min(have, room)
 
