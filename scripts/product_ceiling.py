@@ -31,16 +31,10 @@ import subprocess
 import sys
 import time
 
+from minfer.bench import parse_lengths
+from minfer.errors import MinferError
+
 MODES = ("products", "products + attention")
-
-
-def parse_lengths(s: str) -> list[int] | None:
-    """"512,3325" -> [512, 3325]; None unless every count is a positive integer."""
-    try:
-        out = [int(x) for x in s.split(",")]
-    except ValueError:
-        return None
-    return out if min(out) >= 1 else None
 
 
 def shapes(path) -> dict:
@@ -92,10 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--n-prompt", default="512,3325", help="prompt lengths (default 512,3325)")
     ap.add_argument("-r", "--reps", type=int, default=10, help="timed forwards per mode and round (default 10)")
     args = ap.parse_args(argv)
-    lengths = parse_lengths(args.n_prompt)
-    if lengths is None or args.reps < 1:
-        print(f"product_ceiling: -p expects positive token counts like 512,3325 and -r a positive "
-              f"count, got -p {args.n_prompt!r} -r {args.reps}", file=sys.stderr)
+    try:
+        lengths = parse_lengths(args.n_prompt)          # minfer bench's -p
+        if args.reps < 1:
+            raise MinferError(f"-r must be at least 1, got {args.reps}")
+    except MinferError as e:
+        print(f"product_ceiling: error: {e}", file=sys.stderr)
         return 2
 
     import cupy as cp
