@@ -16,7 +16,7 @@
 // conversions cost ceil(T / 256) times the weight: with one or two nearly full block
 // rows that is less than the dequantization, with more rows or a mostly empty last
 // one it is more, and below ~128 tokens the conversions are most of the work
-// (docs/PERF.md 6.40, 6.43); gemm.py's gateup_kernel decides the lengths.
+// (scripts/bench/ab.py re-measures it); gemm.py's gateup_kernel decides the lengths.
 //
 // Block: 384 threads, one block an SM, a tile of 64 features f0.. of both weights x
 // 256 tokens m0.. (or a half tile of 128 tokens in the grid's last wave: see the
@@ -274,7 +274,7 @@ __device__ __forceinline__ void gu_consume(u8* sm, u32 s_ring, u32 s_full, u32 s
 // cover a few feature blocks for every row, whose weight rows and X fit in L2;
 // numbered the other way, they covered one row and 132 feature blocks, and every row
 // read the whole weight from memory again (the f16 kernel at 3,325 tokens now reads
-// 690 MB from DRAM for its 272 MB of weights, docs/PERF.md 6.46). A half tile may
+// 690 MB from DRAM for its 272 MB of weights, measured with ncu). A half tile may
 // start past the prompt's end (m0 >= T).
 struct GuTile { bool whole; int f0, m0; };
 

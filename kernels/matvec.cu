@@ -23,8 +23,8 @@
 // picked per block, so __restrict__ alone no longer tells the compiler.
 // MV_MIN_BLOCKS resident blocks per SM cap the registers at 80: the q6_K kernel
 // otherwise took 84, which the allocation granule rounds to 88, so only five
-// blocks fit; with six the 7B's q6_K ffn_down went from 51 to 27 us (docs/PERF.md
-// 6.10).
+// blocks fit; with six the 7B's q6_K ffn_down went from 51 to 27 us
+// (scripts/bench/decode_breakdown.py re-measures the matvecs).
 // Rows past od are clamped to the last row (computed, never written), so the loop
 // bodies have no branch between their loads. A row's arithmetic depends only on
 // the split, which the wrapper picks from the weight's own row count (few rows:
@@ -240,7 +240,7 @@ __device__ __forceinline__ MvBlock mv_block(int per_block, int od0, int od1) {
 
 // The first MV_PREFETCH bytes of the block's weight rows into L2 before it waits for
 // x (its predecessor's output): from the kernel's arguments alone, reading nothing.
-// Measured (docs/PERF.md 6.19): 0.5-4 KB a block gain alike; the whole rows lose
+// Measured on decode (minfer bench's tg): 0.5-4 KB a block gain alike; the whole rows lose
 // (the first wave's ~25 MB of prefetches compete with the loads that need them).
 template <int QA, int QB, int R>
 __device__ __forceinline__ void matvec_prefetch_l2(int K, int split, int qb_mask, const u8* W0, int od0,
