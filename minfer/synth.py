@@ -212,7 +212,7 @@ def write_synthetic(path, *, n_layer: int = 2, d_model: int = 512, n_head: int =
     return path
 
 
-# The model of the golden streams (scripts/golden.py, tests/golden/) and of the
+# The model of the golden streams (scripts/check/golden.py, tests/golden/) and of the
 # GPU parity and CUDA-graph tests: 3 layers, d 512, GQA 2:1, head_dim 128.
 SMALL_MODEL = {"n_layer": 3, "d_model": 512, "n_head": 4, "n_head_kv": 2, "d_ff": 1280,
                "seed": 20261129, "arch": "qwen2"}
