@@ -1,9 +1,9 @@
-"""`minfer bench` and scripts/ab.py on the CPU backend with a tiny synthetic model:
-the report has every key and the numbers are positive (no timing assertions)."""
+"""`minfer bench` on the CPU backend with a tiny synthetic model: the report has every
+key and the numbers are positive (no timing assertions). The scripts around it
+(scripts/bench/ab.py, ...) are tested in test_scripts.py."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -150,32 +150,6 @@ def test_bench_bad_input(tiny_model, capsys, argv, word):
     assert err.startswith("minfer: error:") and word in err and err.count("\n") == 1
 
 
-def test_ab_cpu(tiny_model, repo_root):
-    """Two engines (settings not switchable at run time), interleaved A B A B."""
-    p = subprocess.run([sys.executable, str(repo_root / "scripts" / "ab.py"), "-m", str(tiny_model),
-                        "--backend", "cpu", "-p", "9", "-r", "3", "--a", "MINFER_X=1",
-                        "--b", "MINFER_X=0", "--json"],
-                       capture_output=True, text=True, timeout=300, cwd=repo_root)
-    assert p.returncode == 0, p.stderr
-    r = json.loads(p.stdout)
-    assert r["mode"] == "two engines" and r["order"] == ["A", "B"] * 3
-    for side in ("A", "B"):
-        assert len(r[side]["tok_s"]) == 3 and min(r[side]["tok_s"]) > 0
-    assert r["ratio_b_over_a"] > 0 and isinstance(r["separated"], bool)
-
-
-def test_first_use_script_cpu(tiny_model, repo_root):
-    """scripts/first_use.py: prompts cut to the asked token counts, a fresh generate
-    per length beside the bench of the same lengths, one table row each."""
-    p = subprocess.run([sys.executable, str(repo_root / "scripts" / "first_use.py"), "-m", str(tiny_model),
-                        "-p", "9,13", "-r", "1", "-c", "64"],
-                       capture_output=True, text=True, timeout=300, cwd=repo_root)
-    assert p.returncode == 0, p.stderr
-    rows = [line.split("|")[1:-1] for line in p.stdout.splitlines() if line.startswith("| ") and "%" in line]
-    assert [int(r[0]) for r in rows] == [9, 13]
-    assert all(float(r[2].replace(",", "")) > 0 and r[3].strip().endswith("%") for r in rows)
-
-
 def test_format_report_device_rows():
     """The CUDA-only rows (memory by kind, planes beside their expected od x id sum,
     launch paths) render; a mismatch is shown as such."""
@@ -195,27 +169,3 @@ def test_format_report_device_rows():
     assert "| device used | 7 |" in out and "| q6k exp | 27 |" in out
     r["memory_check"] = {"W_exp planes expected": 40, "problem": "planes hold 30, needs 40"}
     assert "= 40: MISMATCH: planes hold 30, needs 40 |" in format_report(r)
-
-
-def test_product_ceiling_flop_and_bad_input(repo_root):
-    """scripts/product_ceiling.py: its products' FLOP on the 7B header are 2·T times
-    the element count of the header's layer linears (counted here from the tensor
-    table); bad -p / -r exit 2 with one line, before any GPU work."""
-    sys.path.insert(0, str(repo_root / "scripts"))
-    try:
-        import product_ceiling
-    finally:
-        sys.path.pop(0)
-    from minfer.gguf import open_gguf
-    from minfer.synth import header_7b_path
-    gf = open_gguf(str(header_7b_path()), header_only=True)
-    try:
-        linears = sum(t.n_elements for n, t in gf.tensors.items()
-                      if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) == 2)
-    finally:
-        gf.close()
-    assert product_ceiling.product_flop(product_ceiling.shapes(header_7b_path()), 3325) == 2 * 3325 * linears
-    for argv, word in ((["-p", "0"], "-p expects"), (["-p", "512,x"], "-p expects"), (["-r", "0"], "-r must")):
-        p = subprocess.run([sys.executable, str(repo_root / "scripts" / "product_ceiling.py"), *argv],
-                           capture_output=True, text=True, timeout=60, cwd=repo_root)
-        assert p.returncode == 2 and p.stderr.count("\n") == 1 and word in p.stderr

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Cut small real weight slices out of the cached Qwen2.5-Coder-1.5B Q4_K_M for the
-GPU kernel tests (tests/gpu/test_mmq.py), so they run on real weight statistics
-without the 1.1 GB model on the GPU machine:
+"""A fixture maker (not a test): cut small real weight slices out of the cached
+Qwen2.5-Coder-1.5B Q4_K_M for the GPU kernel tests (tests/gpu/test_mmq.py), so they
+run on real weight statistics without the 1.1 GB model on the GPU machine:
 
     attn_q   64 rows of blk.0.attn_q.weight   (q4_K, 1536 wide)
     ffn_down 64 rows of blk.0.ffn_down.weight (q6_K, 8960 wide)
@@ -11,7 +11,7 @@ Each slice is stored as raw bytes `<key>_raw` (rows, row_bytes) uint8, its
 `<key>_shape` (rows, n_in) and `<key>_type` (GGMLQuantizationType value) in
 tests/fixtures/real_slices.npz.
 
-    python3 scripts/cut_real_slices.py [model.gguf]
+    python3 tests/tools/cut_real_slices.py [model.gguf]     # from the repository root
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QT, GGUFReader
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = Path.home() / ".cache/minfer/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 SLICES = {  # key: (tensor, rows, expected type)
     "attn_q": ("blk.0.attn_q.weight", 64, QT.Q4_K),
@@ -31,6 +31,9 @@ SLICES = {  # key: (tensor, rows, expected type)
 
 
 def main() -> int:
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__.strip())
+        return 0
     path = Path(sys.argv[1]) if len(sys.argv) > 1 else MODEL
     tensors = {t.name: t for t in GGUFReader(path).tensors}
     out = {}

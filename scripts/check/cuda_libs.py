@@ -6,7 +6,10 @@ Runs one short generation on the synthetic model with the default backend
 be checked to take cuBLAS, NVRTC and the runtime from the pip wheels
 (site-packages/nvidia/...) rather than from a system toolkit.
 
-    python3 scripts/cuda_libs.py [MODEL_DIR]    # run it outside the checkout to test an installed minfer
+    python3 /path/to/checkout/scripts/check/cuda_libs.py [MODEL_DIR]
+
+Run by its path from outside the checkout (gpu_install_check.sh does), so that the
+minfer it imports is the installed one; it imports nothing from scripts/.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ LIBS = re.compile(r"/lib(cublas|cublasLt|nvrtc|nvrtc-builtins|cudart|cuda|nvJitL
 
 
 def main() -> int:
+    if any(a in ("-h", "--help") for a in sys.argv[1:]):
+        print(__doc__.strip())
+        return 0
     import minfer
     from minfer import Engine
     from minfer.synth import synth_model

@@ -8,17 +8,18 @@
 #      setuptools, wheel, packaging for the build;
 #   2. `minfer generate` with no backend flag: its first stderr line must be
 #      `minfer: backend cuda (...)`;
-#   3. scripts/cuda_libs.py: the CUDA library files that process loads, and from where.
-# Steps 2 and 3 run outside the checkout, so they use the installed package.
+#   3. scripts/check/cuda_libs.py: the CUDA library files that process loads, and from where.
+# Steps 2 and 3 run outside the checkout, so they use the installed package (cuda_libs.py
+# is run by its path, not as a module of the checkout).
 #
-#   bash scripts/gpu_install_check.sh --fetch   # first, where the package index is reachable:
+#   bash scripts/check/gpu_install_check.sh --fetch   # first, where the package index is reachable:
 #                                               # the small wheels into .whl/install (~1 MB)
-#   bash scripts/gpu_install_check.sh           # on the GPU machine, from the repository root; carry .whl
+#   bash scripts/check/gpu_install_check.sh     # on the GPU machine, from the repository root; carry .whl
 #
 # Logs under $OUT (installed-before.txt, install.log, generate.txt, libs.txt).
 # Exit status: non-zero if a step failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REPO=$PWD
 LOG=${OUT:-/tmp/minfer-install-check}
 CACHE=${MINFER_CACHE:-/tmp/minfer-cache}
@@ -68,7 +69,7 @@ fi
 cat "$LOG/generate.txt"; echo
 
 # 3. the library files it loads
-if python3 "$REPO/scripts/cuda_libs.py" "$CACHE" >"$LOG/libs.txt" 2>&1; then
+if python3 "$REPO/scripts/check/cuda_libs.py" "$CACHE" >"$LOG/libs.txt" 2>&1; then
     step libs ok
 else
     step libs FAIL

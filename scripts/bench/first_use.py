@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """First use of a prompt length: a one-shot `minfer generate` beside `minfer bench`.
 
-    python scripts/first_use.py -m MODEL [-p 512,1000,3325] [-r 2] [--text FILE]
+    python3 -m scripts.bench.first_use -m MODEL [-p 512,1000,3325] [-r 2] [--text FILE]
 
 For each length P, a prompt of exactly P tokens (the longest prefix of --text,
 repeated as needed, that the model's tokenizer makes into at most P tokens; the
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = ROOT / "tests" / "fixtures" / "perplexity_gpl3.txt"
 
 
@@ -53,7 +53,8 @@ def run_json(args: list[str]) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.bench.first_use", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", required=True, help="GGUF (the 7B twin: minfer twin -o PATH)")
     ap.add_argument("-p", "--prompts", default="512,1000,3325", help="prompt lengths in tokens")
     ap.add_argument("-r", "--reps", type=int, default=2, help="fresh generate processes per length")

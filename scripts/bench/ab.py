@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
-"""Interleaved A/B prefill timing of two settings in one process.
+"""Interleaved A/B prefill timing of two CUDA settings in one process.
 
-    python scripts/ab.py -m MODEL -p 3325 -r 7 --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0
+    python3 -m scripts.bench.ab -m MODEL -p 3325 -r 7 --a exp_planes=1 --b exp_planes=0
+    python3 -m scripts.bench.ab -m MODEL -p 512 --a gateup_fused=1 --b gateup_fused=0
+
+--a and --b are CudaSettings fields (minfer/backend/cuda/settings.py; scripts/fields.py):
+FIELD=VALUE, repeated or comma-separated, a value 0/1/true/false or an integer
+(f16_min_t). An unknown field is a one-line error (exit 2).
 
 Repetitions alternate A B A B ... so drift (clocks, temperature, other load)
 hits both sides alike: quote medians and ratios measured side by side in one
-run. Two modes, printed with the result:
+run. Three modes, printed with the result:
 
-- toggle: the settings differ only in MINFER_MMQ_Q6K_EXP and the backend can
-  switch the W_exp path at run time — one engine, loaded with the planes
-  registered, each rep under `backend.using(exp_enabled=True/False)`.
-  The memory the B side would buy back is the measured plane allocation.
-- two engines: anything else (settings read at load time). Each engine is
-  loaded with its setting in the environment, which is restored afterwards;
-  a setting read later than load time (at a kernel launch) would see neither,
-  so only load-time settings can be compared this way.
+- toggle: the sides differ only in exp_planes — one engine, loaded with the
+  W_exp planes registered, each rep under `backend.using(exp_enabled=...)`.
+  The memory the planes-off side would buy back is the measured plane allocation.
+- one engine: only run-time fields (the kernel a launch takes: gateup_fused,
+  ffn_f16, flash_wgmma, dependent_launches, graphs, f16_min_t, exp_enabled) —
+  one engine, each rep under `backend.using(**side)`; captured CUDA graphs are
+  keyed by the settings, so each side replays its own.
+- two engines: a load-time field (exp_planes with others, f16_weights,
+  force_exp_miss) — each side's engine loaded with `Engine.load(...,
+  settings=its load-time fields)`, its run-time fields applied per rep.
 
 Per rep: prefill of P seeded random token ids from position 0, timed as
 `minfer bench` times it (CUDA events / perf_counter). "separated" means the
@@ -24,63 +31,53 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
 from minfer.bench import prompt_ids, time_prefill
 from minfer.errors import MinferError
+from scripts import fields as settings_fields
 
-EXP_KEY = "MINFER_MMQ_Q6K_EXP"
-
-
-def parse_setting(items: list[str]) -> dict[str, str]:
-    """["K=V", "K2=V2,K3=V3"] -> {K: V, ...}"""
-    out = {}
-    for item in items:
-        for kv in item.split(","):
-            k, sep, v = kv.partition("=")
-            if not sep or not k:
-                raise MinferError(f"a setting is KEY=VALUE, got {kv!r}")
-            out[k.strip()] = v.strip()
-    return out
+EXP_FIELD = "exp_planes"
 
 
-def load_with_env(model, backend: str, n_ctx: int, env: dict[str, str]):
-    """Engine.load with `env` set in os.environ for the duration of the load."""
-    from minfer.engine import Engine
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return Engine.load(model, backend=backend, n_ctx=n_ctx, progress=False)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def mode_of(a: dict, b: dict, backend: str) -> str:
+    """toggle, one engine or two engines (the module's docstring)."""
+    if (set(a) | set(b) == {EXP_FIELD} and a.get(EXP_FIELD, True) != b.get(EXP_FIELD, True)
+            and backend == "cuda"):
+        return "toggle"
+    if not (set(a) | set(b)) & settings_fields.LOAD_TIME:
+        return "one engine"
+    return "two engines"
 
 
 def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
         logits_from: int | None = None) -> dict:
     if reps < 1 or P < 1:
         raise MinferError(f"-r and -p must be positive, got {reps} and {P}")
-    toggle = set(a) | set(b) == {EXP_KEY} and a.get(EXP_KEY) != b.get(EXP_KEY) and backend == "cuda"
-    if toggle:
-        eng = load_with_env(model, backend, P, {EXP_KEY: "1"})    # planes registered
+    mode = mode_of(a, b, backend)
+    load = settings_fields.load_engine
+    if mode == "toggle":
+        eng = load(model, backend, P, {EXP_FIELD: True})               # planes registered
         engines = {"A": eng, "B": eng}
-        exp_on = {"A": a[EXP_KEY] != "0", "B": b[EXP_KEY] != "0"}
+        run_fields = {s: {"exp_enabled": bool(f.get(EXP_FIELD, True))} for s, f in (("A", a), ("B", b))}
+    elif mode == "one engine":
+        eng = load(model, backend, P, {})
+        engines = {"A": eng, "B": eng}
+        run_fields = {"A": a, "B": b}
     else:
-        engines = {"A": load_with_env(model, backend, P, a), "B": load_with_env(model, backend, P, b)}
-    caches = {s: e.new_cache(P) for s, e in engines.items()} if not toggle else \
-        dict.fromkeys("AB", engines["A"].new_cache(P))
+        split = {"A": settings_fields.split(a), "B": settings_fields.split(b)}
+        engines = {s: load(model, backend, P, split[s][0]) for s in "AB"}
+        run_fields = {s: split[s][1] for s in "AB"}
+    if engines["A"] is engines["B"]:
+        caches = dict.fromkeys("AB", engines["A"].new_cache(P))
+    else:
+        caches = {s: e.new_cache(P) for s, e in engines.items()}
     timers = {s: e.backend.timer() for s, e in engines.items()}
     tokens = prompt_ids(engines["A"].cfg.vocab_size, P, seed)
 
     def one(side: str) -> float:
-        if not toggle:
-            return time_prefill(engines[side], caches[side], tokens, timers[side], logits_from)
-        with engines[side].backend.using(exp_enabled=exp_on[side]):
+        with settings_fields.using(engines[side], run_fields[side]):
             return time_prefill(engines[side], caches[side], tokens, timers[side], logits_from)
 
     for side in "AB":                   # warm-up, untimed: first use eager, second
@@ -99,7 +96,7 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
                 counts[side][k] = counts[side].get(k, 0) + v
     res = {"model": str(model), "backend": backend, "n_tokens": P, "reps": reps,
            "logits_from": logits_from,
-           "mode": "toggle" if toggle else "two engines", "order": order}
+           "mode": mode, "order": order}
     for side, setting in (("A", a), ("B", b)):
         tps = [P / s for s in secs[side]]
         res[side] = {"setting": setting, "seconds": secs[side], "tok_s": tps,
@@ -109,20 +106,19 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
     res["ratio_b_over_a"] = res["B"]["median"] / res["A"]["median"]
     res["separated"] = slow["max"] < fast["min"]
     res["w_exp_plane_bytes"] = engines["A"].backend.memory_report().get("W_exp planes")
-    if toggle:
-        res["memory_bought_back_bytes"] = res["w_exp_plane_bytes"]    # what EXP=0 does not register
+    if mode == "toggle":
+        res["memory_bought_back_bytes"] = res["w_exp_plane_bytes"]    # what exp_planes=0 does not register
     return res
 
 
 def report(r: dict) -> str:
-    fmt = lambda s: ", ".join(f"{k}={v}" for k, v in s.items())
     head = ("LM head on the last position" if r.get("logits_from") is None
             else f"LM head on positions {r['logits_from']}.. (perplexity-shaped)")
     lines = [f"A/B prefill of {r['n_tokens']} tokens ({head}), {r['reps']} reps interleaved, "
              f"{r['backend']}, mode: {r['mode']}"]
     for side in "AB":
         s = r[side]
-        lines.append(f"{side} ({fmt(s['setting'])}): median {s['median']:.2f} t/s, "
+        lines.append(f"{side} ({settings_fields.text(s['setting'])}): median {s['median']:.2f} t/s, "
                      f"min {s['min']:.2f}, max {s['max']:.2f}")
         lines.append("   reps: " + " ".join(f"{v:.2f}" for v in s["tok_s"]))
         if s["counters"]:
@@ -131,26 +127,28 @@ def report(r: dict) -> str:
                  f"({(r['ratio_b_over_a'] - 1) * 100:+.2f}%); separated: {'yes' if r['separated'] else 'no'}")
     if r["w_exp_plane_bytes"] is not None:
         lines.append(f"W_exp planes allocated: {r['w_exp_plane_bytes']:,} bytes"
-                     + (f" (bought back with {EXP_KEY}=0)" if r["mode"] == "toggle" else ""))
+                     + (f" (bought back with {EXP_FIELD}=0)" if r["mode"] == "toggle" else ""))
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.bench.ab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-p", "--n-tokens", type=int, default=3325, help="prefill length (default 3325)")
     ap.add_argument("-r", "--reps", type=int, default=7, help="reps per side (default 7)")
-    ap.add_argument("--a", action="append", required=True, metavar="KEY=VALUE", help="setting A")
-    ap.add_argument("--b", action="append", required=True, metavar="KEY=VALUE", help="setting B")
-    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--a", action="append", required=True, metavar="FIELD=VALUE",
+                    help="side A: CudaSettings fields, e.g. gateup_fused=1 (repeat or comma-separate)")
+    ap.add_argument("--b", action="append", required=True, metavar="FIELD=VALUE", help="side B: the same")
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logits-from", type=int, default=None,
                     help="LM head on positions N.. (0: all, as perplexity does); default: the last")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     args = ap.parse_args(argv)
     try:
-        r = run(args.model, args.n_tokens, args.reps, parse_setting(args.a), parse_setting(args.b),
-                args.backend, args.seed, args.logits_from)
+        a, b = settings_fields.parse(args.a), settings_fields.parse(args.b)
+        r = run(args.model, args.n_tokens, args.reps, a, b, args.backend, args.seed, args.logits_from)
     except MinferError as e:
         print(f"ab: error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ Without cuobjdump (a machine with only nvcc/ptxas) the LDGSTS column says so and
 counts cp.async in the PTX instead; that is not SASS evidence, and
 --require-sass makes it an error.
 
-    python3 scripts/sass_check.py [--arch sm_90] [--require-sass]
+    python3 -m scripts.check.sass_check [--arch sm_90] [--require-sass]
 """
 from __future__ import annotations
 
@@ -31,19 +31,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-from minfer.backend.cuda.nvrtc import K, define_flags   # (imports without cupy)
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MMQ = ROOT / "kernels" / "mmq.cu"
-# 3 blocks of MMQ_THREADS per SM (__launch_bounds__ of mmq_q6k_bt) -> 80 (alloc granule 8)
-MAX_REGS_Q6K = 65536 // (K["MMQ_THREADS"] * 3) // 8 * 8
 FLASH90 = ROOT / "kernels" / "flash_attn_sm90.cu"
-# two blocks of FA90_WG warpgroups per SM (__launch_bounds__ of flash_attn_f16_sm90)
-MAX_REGS_FLASH90 = 65536 // (128 * K["FA90_WG"] * 2)
 GATEUP90 = ROOT / "kernels" / "gateup_sm90.cu"
-# one block of GU_THREADS (384) per SM (__launch_bounds__ of both gate/up kernels; their
-# consumer warpgroups raise theirs with setmaxnreg) -> 168 (alloc granule 8)
-MAX_REGS_GATEUP90 = 65536 // K["GU_THREADS"] // 8 * 8
+
+
+def kernel_constants():
+    """-> (K, define_flags): the constants minfer.backend.cuda.nvrtc injects at run
+    time, and its nvcc -D flags (imported when a check runs, not for --help)."""
+    from minfer.backend.cuda.nvrtc import K, define_flags      # (imports without cupy)
+    return K, define_flags
+
+
+def register_budgets(K) -> tuple[int, int, int]:
+    """-> the most registers of mmq_q6k_bt, flash_attn_f16_sm90 and the gate/up kernels"""
+    # 3 blocks of MMQ_THREADS per SM (__launch_bounds__ of mmq_q6k_bt) -> 80 (alloc granule 8)
+    q6k = 65536 // (K["MMQ_THREADS"] * 3) // 8 * 8
+    # two blocks of FA90_WG warpgroups per SM (__launch_bounds__ of flash_attn_f16_sm90)
+    flash90 = 65536 // (128 * K["FA90_WG"] * 2)
+    # one block of GU_THREADS (384) per SM (__launch_bounds__ of both gate/up kernels; their
+    # consumer warpgroups raise theirs with setmaxnreg) -> 168 (alloc granule 8)
+    gateup90 = 65536 // K["GU_THREADS"] // 8 * 8
+    return q6k, flash90, gateup90
 
 
 def demangle(sym: str) -> str:
@@ -68,13 +78,16 @@ def run(cmd: list[str]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.check.sass_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--require-sass", action="store_true",
                     help="fail when cuobjdump is not available")
     a = ap.parse_args()
     if not shutil.which("nvcc"):
         sys.exit("sass_check: nvcc not found")
+    K, define_flags = kernel_constants()
+    MAX_REGS_Q6K, MAX_REGS_FLASH90, MAX_REGS_GATEUP90 = register_budgets(K)
     with tempfile.TemporaryDirectory() as tmp:
         cubin, ptx = Path(tmp) / "mmq.cubin", Path(tmp) / "mmq.ptx"
         common = ["nvcc", f"-arch={a.arch}", "-std=c++17", "-DMINFER_SASS_INSTANTIATE",
@@ -136,8 +149,8 @@ def main() -> int:
             bad.append(msg)
         else:
             print(f"WARNING: {msg}")
-    bad += check_sm90(FLASH90, "flash_attn_f16_sm90", MAX_REGS_FLASH90)
-    bad += check_sm90(GATEUP90, "gateup_swiglu_q4k, _f16", MAX_REGS_GATEUP90)
+    bad += check_sm90(FLASH90, "flash_attn_f16_sm90", MAX_REGS_FLASH90, define_flags())
+    bad += check_sm90(GATEUP90, "gateup_swiglu_q4k, _f16", MAX_REGS_GATEUP90, define_flags())
     for b in bad:
         print(f"FAIL: {b}")
     if not bad:
@@ -145,11 +158,11 @@ def main() -> int:
     return 1 if bad else 0
 
 
-def check_sm90(src: Path, name: str, max_regs: int) -> list[str]:
+def check_sm90(src: Path, name: str, max_regs: int, flags: list[str]) -> list[str]:
     """A wgmma kernel: registers, spills, no serialized wgmma -> failures."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
-        log = run(["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-Xptxas", "-v", *define_flags(),
+        log = run(["nvcc", "-arch=sm_90a", "-std=c++17", "-cubin", "-Xptxas", "-v", *flags,
                    f"-I{src.parent}", str(src), "-o", str(cubin)])
         hgmma = None
         if shutil.which("cuobjdump"):

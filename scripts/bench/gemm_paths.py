@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Which GEMM engine wins at which prompt length: int8 MMQ vs f16 cuBLAS.
 
-    python scripts/gemm_paths.py [-t 8,16,32,64,128,256,512] [-r 9]
+    python3 -m scripts.bench.gemm_paths [-t 8,16,32,64,128,256,512] [-r 9]
 
 Times the CUDA backend's linear (minfer/backend/cuda/gemm.py) on the 7B's layer shapes (q4_K attn_q/attn_k/
 ffn_gate, q6_K attn_v/ffn_down with their W_exp planes) at each token count,
@@ -22,11 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from minfer import quants
-from minfer.backend.cuda.gemm import Gemms
-from minfer.backend.cuda.settings import CudaSettings
-from minfer.backend.cuda.weights import WeightStore
 from minfer.gguf import TensorInfo
-from minfer.quantize import quantize
 
 # (name, type, n_out, n_in, per layer) of DeepSeek-R1-Distill-Qwen-7B
 SHAPES = (("blk.0.attn_q.weight", QT.Q4_K, 3584, 3584, 2),     # attn_q + attn_output
@@ -43,12 +39,17 @@ def info(name, qt, n_out, n_in) -> TensorInfo:
 
 
 def main() -> int:
-    import cupy as cp
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.bench.gemm_paths", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-t", "--tokens", default="2,8,16,32,48,64,96,128,256,512")
     ap.add_argument("-r", "--reps", type=int, default=9)
     a = ap.parse_args()
+    import cupy as cp
+
+    from minfer.backend.cuda.gemm import Gemms
+    from minfer.backend.cuda.settings import CudaSettings
+    from minfer.backend.cuda.weights import WeightStore
+    from minfer.quantize import quantize
     ts = [int(t) for t in a.tokens.split(",")]
     rng = np.random.default_rng(0)
     settings = CudaSettings.from_env()

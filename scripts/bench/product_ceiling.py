@@ -3,7 +3,7 @@
 products with the flash attention, run forward after forward as `minfer bench` runs
 its repetitions, so the GPU is timed at the clock its power limit leaves it.
 
-    python scripts/product_ceiling.py [-m MODEL_OR_HEADER] [-p 512,3325] [-r 10]
+    python3 -m scripts.bench.product_ceiling [-m MODEL_OR_HEADER] [-p 512,3325] [-r 10]
 
 Shapes from a GGUF header (default: the bundled DeepSeek-R1-Distill-Qwen-7B one).
 Per layer, the products through cuBLASLt with the shapes and output types of the
@@ -81,7 +81,8 @@ class Clock:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.bench.product_ceiling", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None, help="GGUF file or header (default: the bundled 7B header)")
     ap.add_argument("-p", "--n-prompt", default="512,3325", help="prompt lengths (default 512,3325)")
     ap.add_argument("-r", "--reps", type=int, default=10, help="timed forwards per mode and round (default 10)")

@@ -2,8 +2,8 @@
 """Where a prefill's time goes: every kernel of one forward pass, timed by CUPTI
 and summed per kernel family (the default), or host vs device time (--host).
 
-    python scripts/profile_forward.py -m MODEL [-p 512,3325] [-r 3] [--decode --depth 16,3325]
-    python scripts/profile_forward.py -m MODEL --host [-t 1,512,3325] [--cprofile 512]
+    python3 -m scripts.bench.profile_forward -m MODEL [-p 512,3325] [-r 3] [--decode --depth 16,3325]
+    python3 -m scripts.bench.profile_forward -m MODEL --host [-t 1,512,3325] [--cprofile 512]
 
 Kernel table, for each prompt length: two untimed forwards (compile, warm the pools), then -r
 profiled forwards with CUDA graphs off, so that every launch is its own
@@ -210,7 +210,8 @@ def host_report(a) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.bench.profile_forward", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", required=True, help="GGUF (the 7B twin: minfer twin -o PATH)")
     ap.add_argument("-p", "--prompts", default="512,3325", help="kernel table: prompt lengths")
     ap.add_argument("-r", "--reps", type=int, default=3, help="kernel table: profiled forwards")

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Golden greedy streams: byte-identity regression of the CUDA engine.
 
-    python scripts/golden.py --update [--out DIR]   # write tests/golden/<name>.json (GPU)
-    python scripts/golden.py                        # re-run, compare byte for byte (exit 1 + diff)
-    python scripts/golden.py --report FILE          # re-run, write streams + launch counters (tests)
+    python3 -m scripts.check.golden --update [--out DIR]   # write tests/golden/<name>.json (GPU)
+    python3 -m scripts.check.golden                        # re-run, compare byte for byte (exit 1 + diff)
+    python3 -m scripts.check.golden --report FILE          # re-run, write streams + launch counters (tests)
+    python3 -m scripts.check.golden --set force_exp_miss=1 # the same under CUDA settings (scripts/fields.py)
 
 A synthetic qwen2 model (minfer.synth.SMALL_MODEL, fixed seed; the same arguments
 give the same bytes) is generated once into --model-dir, then each fixed prompt is
@@ -12,6 +13,11 @@ N_PREDICT and grows by 16 until the text is at least MIN_CHARS characters (the
 byte-identity check compares streams of at least 178 characters).
 Each file: {"model": synth params + seed, "prompt", "prompt_ids", "n_predict",
 "token_ids", "text"}.
+
+--set FIELD=VALUE (repeated or comma-separated) runs under CudaSettings fields: the
+load-time ones given to Engine.load, the run-time ones set with backend.using for
+the whole run (tests/gpu/test_golden_gpu.py runs the modes exp_planes=0,
+force_exp_miss=1 and flash_wgmma=0 this way, each in its own process).
 """
 from __future__ import annotations
 
@@ -23,8 +29,9 @@ import sys
 from pathlib import Path
 
 from minfer.synth import SMALL_MODEL, synth_model
+from scripts import fields as settings_fields
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_DIR = ROOT / "tests" / "golden"
 PROMPTS = {
     "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -86,38 +93,45 @@ def compare(name: str, want: dict, got: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.check.golden", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--update", action="store_true", help="regenerate the golden files")
     ap.add_argument("--out", type=Path, default=GOLDEN_DIR, help="where --update writes")
     ap.add_argument("--golden", type=Path, default=GOLDEN_DIR, help="golden files to check against")
     ap.add_argument("--report", type=Path, help="write the streams and launch counters as JSON")
     ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MINFER_CACHE", "/tmp/minfer-golden")))
-    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--set", action="append", metavar="FIELD=VALUE", dest="settings",
+                    help="a CudaSettings field for the whole run, e.g. force_exp_miss=1 (repeatable)")
     args = ap.parse_args(argv)
 
-    from minfer.engine import Engine
     from minfer.errors import MinferError
 
     try:
-        engine = Engine.load(synth_model(args.model_dir), backend=args.backend, n_ctx=N_CTX,
-                             progress=False)
-        engine.backend.reset_counters()
-        if args.update:
-            args.out.mkdir(parents=True, exist_ok=True)
-            for name, prompt in PROMPTS.items():
-                rec = make_stream(engine, prompt)
-                (args.out / f"{name}.json").write_text(dump(rec), encoding="utf-8")
-                print(f"{name}: {len(rec['token_ids'])} tokens, {len(rec['text'])} chars -> "
-                      f"{args.out / (name + '.json')}")
-            return 0
-        golden = load_golden(args.golden)
-        if not golden:
-            print(f"no golden files in {args.golden}; run with --update first", file=sys.stderr)
-            return 1
-        got = {name: make_stream(engine, rec["prompt"], rec["n_predict"]) for name, rec in golden.items()}
+        load_fields, run_fields = settings_fields.split(settings_fields.parse(args.settings))
+        engine = settings_fields.load_engine(synth_model(args.model_dir), args.backend, N_CTX, load_fields)
+        with settings_fields.using(engine, run_fields):
+            return _run(args, engine)
     except MinferError as e:
         print(f"golden: error: {e}", file=sys.stderr)
         return 2
+
+
+def _run(args, engine) -> int:
+    engine.backend.reset_counters()
+    if args.update:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for name, prompt in PROMPTS.items():
+            rec = make_stream(engine, prompt)
+            (args.out / f"{name}.json").write_text(dump(rec), encoding="utf-8")
+            print(f"{name}: {len(rec['token_ids'])} tokens, {len(rec['text'])} chars -> "
+                  f"{args.out / (name + '.json')}")
+        return 0
+    golden = load_golden(args.golden)
+    if not golden:
+        print(f"no golden files in {args.golden}; run with --update first", file=sys.stderr)
+        return 1
+    got = {name: make_stream(engine, rec["prompt"], rec["n_predict"]) for name, rec in golden.items()}
     if args.report:
         rep = {"streams": got,
                "counters": engine.backend.counters(),

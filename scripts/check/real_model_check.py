@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The real Qwen2.5-Coder-1.5B on the GPU against llama.cpp's fixtures.
 
-    python scripts/real_model_check.py -m MODEL [--backend cuda]
+    python3 -m scripts.check.real_model_check -m MODEL [--backend cuda]
 
 Greedy 64-token streams from the greedy fixture's prompts (EOS ignored, raw
 prompts, as llama.cpp made them), each compared with llama.cpp's text: the
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "greedy_qwen2.5-coder-1.5b.json"
 
 
@@ -30,13 +30,14 @@ def common_prefix(a: str, b: str) -> int:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.check.real_model_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "cpu"))
+    a = ap.parse_args()
+
     from minfer.engine import Engine
     from minfer.generate import GenerationStats, generate
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", required=True)
-    ap.add_argument("--backend", default="cuda")
-    a = ap.parse_args()
     cases = json.loads(FIXTURE.read_text(encoding="utf-8"))
     eng = Engine.load(a.model, backend=a.backend, n_ctx=2048, progress=False)
     tok = eng.tokenizer

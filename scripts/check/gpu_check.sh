@@ -3,20 +3,24 @@
 # run the GPU tests, the SASS check, the golden byte-identity check and a short
 # benchmark; logs go under $OUT (when set) and a summary table is printed LAST.
 #
-#   bash scripts/gpu_check.sh              # from the repository root
-#   GOLDEN_UPDATE=1 bash scripts/gpu_check.sh   # (re)make tests/golden first (-> $OUT/golden.tgz)
+#   bash scripts/check/gpu_check.sh              # from the repository root
+#   GOLDEN_UPDATE=1 bash scripts/check/gpu_check.sh   # (re)make tests/golden first (-> $OUT/golden.tgz)
 #   GOLDEN_CHECK=0 PYTEST_TIMEOUT=180 BENCH_REPS=3  # a shorter run
-#   GPU_TESTS=0 BENCH_7B=1 bash scripts/gpu_check.sh  # the 7B steps without the GPU tests
-#   BENCH_7B=1 bash scripts/gpu_check.sh        # + the 7B twin: bench, A/Bs of W_exp and the fused
-#                                               #   gate/up kernel, 3-mode greedy,
-#                                               #   GEMM engine by prompt length (AB_7B=0 skips the
-#                                               #   W_exp A/B, AB_GRAPHS=0 the CUDA-graph A/B)
+#   GPU_TESTS=0 BENCH_7B=1 bash scripts/check/gpu_check.sh  # the 7B steps without the GPU tests
+#   BENCH_7B=1 bash scripts/check/gpu_check.sh        # + the 7B twin: bench, A/Bs of W_exp and the fused
+#                                                     #   gate/up kernel, 3-mode greedy,
+#                                                     #   GEMM engine by prompt length (AB_7B=0 skips the
+#                                                     #   W_exp A/B, AB_GRAPHS=0 the CUDA-graph A/B)
+#
+# The Python steps run as modules from the repository root (python3 -m scripts.check.golden,
+# python3 -m scripts.bench.ab, ...); the A/B and greedy-mode steps name CudaSettings
+# fields (scripts/fields.py), not environment variables.
 #
 # $OUT gets at most 8 files back: env.log, golden.log (+ golden.tgz when made),
 # pytest_gpu.log, parity.txt, sass.log, bench.log, summary.md.
 # Exit status: non-zero if any step failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 LOG=${OUT:-/tmp/minfer-gpu-check}
 mkdir -p "$LOG"
@@ -45,8 +49,8 @@ fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 # the SASS check needs only nvcc/cuobjdump: run it beside the GPU steps
 SASS_PID=
-if [ -f scripts/sass_check.py ]; then
-    timeout 240 python3 scripts/sass_check.py >"$LOG/sass.log" 2>&1 &
+if [ -f scripts/check/sass_check.py ]; then
+    timeout 240 python3 -m scripts.check.sass_check >"$LOG/sass.log" 2>&1 &
     SASS_PID=$!
 fi
 nvidia-smi -L | tee -a "$LOG/env.log"
@@ -54,7 +58,7 @@ python3 -c "import cupy, gguf; print('cupy', cupy.__version__, 'gguf ok')" 2>&1 
 
 # 2. golden files: made here when asked or when there are none yet
 if [ "${GOLDEN_UPDATE:-0}" = 1 ] || ! ls tests/golden/*.json >/dev/null 2>&1; then
-    if timeout 200 python3 scripts/golden.py --update --model-dir "$MINFER_CACHE" --out tests/golden >"$LOG/golden.log" 2>&1; then
+    if timeout 200 python3 -m scripts.check.golden --update --model-dir "$MINFER_CACHE" --out tests/golden >"$LOG/golden.log" 2>&1; then
         tar czf "$LOG/golden.tgz" tests/golden/*.json
         record golden-update ok "$(ls tests/golden/*.json | wc -l) streams -> golden.tgz"
     else
@@ -82,12 +86,12 @@ if [ -n "$SASS_PID" ]; then
     rc=$?
     [ $rc = 0 ] && record sass ok "$(tail -n 1 "$LOG/sass.log")" || record sass FAIL "rc=$rc $(tail -n 1 "$LOG/sass.log")"
 else
-    record sass FAIL "scripts/sass_check.py missing"
+    record sass FAIL "scripts/check/sass_check.py missing"
 fi
 
 # 5. golden byte identity (check mode; a fresh process against the files on disk)
 if [ "${GOLDEN_CHECK:-1}" = 1 ]; then
-    timeout 200 python3 scripts/golden.py --model-dir "$MINFER_CACHE" >>"$LOG/golden.log" 2>&1
+    timeout 200 python3 -m scripts.check.golden --model-dir "$MINFER_CACHE" >>"$LOG/golden.log" 2>&1
     rc=$?
     [ $rc = 0 ] && record golden ok "$(grep -c ': OK' "$LOG/golden.log") streams byte-identical" \
                  || record golden FAIL "rc=$rc $(grep -m1 -E 'MISMATCH|error' "$LOG/golden.log")"
@@ -163,41 +167,43 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             [ $rc = 0 ] && [ -n "$v" ] && record "7b-$t" ok "$v t/s" || record "7b-$t" FAIL "rc=$rc"
         done
         rm -f "$LOG/b7.txt"
-        # ab_step NAME ARGS...: one interleaved scripts/ab.py run on the twin, logged and recorded
+        # ab_step NAME ARGS...: one interleaved scripts/bench/ab.py run on the twin, logged and recorded
         ab_step() {
             local name=$1; shift
-            timeout 200 python3 scripts/ab.py -m "$TWIN" -r ${AB_REPS:-7} "$@" >"$LOG/ab.txt" 2>&1
+            timeout 200 python3 -m scripts.bench.ab -m "$TWIN" -r ${AB_REPS:-7} "$@" >"$LOG/ab.txt" 2>&1
             local rc=$?
             cat "$LOG/ab.txt" >>"$LOG/bench.log"
             [ $rc = 0 ] && record "$name" ok "$(grep -m1 -iE 'ratio' "$LOG/ab.txt")" || record "$name" FAIL "rc=$rc"
             rm -f "$LOG/ab.txt"
         }
         if [ "${AB_7B:-1}" = 1 ]; then           # the W_exp bundle on vs off
-            ab_step ab-exp -p ${AB_TOKENS:-3325} --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0
+            ab_step ab-exp -p ${AB_TOKENS:-3325} --a exp_planes=1 --b exp_planes=0
             # the LM head over many positions (perplexity-shaped) runs MMQ: there the plane stages B
-            ab_step ab-exp-head -p 512 --logits-from 256 --a MINFER_MMQ_Q6K_EXP=1 --b MINFER_MMQ_Q6K_EXP=0
+            ab_step ab-exp-head -p 512 --logits-from 256 --a exp_planes=1 --b exp_planes=0
         fi
         if [ "${AB_GRAPHS:-1}" = 1 ]; then       # CUDA graphs of the layers vs eager, at 512 tokens
-            ab_step ab-graphs -p 512 --a MINFER_CUDA_GRAPHS=1 --b MINFER_CUDA_GRAPHS=0
+            ab_step ab-graphs -p 512 --a graphs=1 --b graphs=0
         fi
         if [ "${AB_GATEUP:-1}" = 1 ]; then       # the gate/up + SwiGLU kernels vs the chain:
             # the q4_K one at 512 tokens, the f16 one at 3,325
-            ab_step ab-gateup -p ${AB_GATEUP_TOKENS:-512} --a MINFER_GATEUP_FUSED=1 --b MINFER_GATEUP_FUSED=0
-            ab_step ab-gateup-f16 -p 3325 --a MINFER_GATEUP_FUSED=1 --b MINFER_GATEUP_FUSED=0
+            ab_step ab-gateup -p ${AB_GATEUP_TOKENS:-512} --a gateup_fused=1 --b gateup_fused=0
+            ab_step ab-gateup-f16 -p 3325 --a gateup_fused=1 --b gateup_fused=0
         fi
         if [ "${AB_FFN:-1}" = 1 ]; then          # f16 FFN intermediates vs f32, at 3325 tokens
-            ab_step ab-ffn16 -p 3325 --a MINFER_FFN_F16=1 --b MINFER_FFN_F16=0
+            ab_step ab-ffn16 -p 3325 --a ffn_f16=1 --b ffn_f16=0
         fi
         # greedy stream from the 7B twin, byte-identical across the three q6_K modes and
-        # with the fused gate/up kernel off (a prompt of ~150 tokens: long enough to take it)
+        # with the fused gate/up kernel off (a prompt of ~150 tokens: long enough to take it);
+        # each mode a fresh process of scripts/check/greedy_stream.py: the text into
+        # /tmp/g7b_MODE.txt, its launch counters (`NAME: N` lines) into /tmp/g7b_MODE.err
         P="$(printf 'The capital of France is Paris. %.0s' $(seq 22))The capital of Italy is"
         for mode in exp off miss chain; do
             case $mode in
-                exp) envs=() ;; off) envs=(MINFER_MMQ_Q6K_EXP=0) ;; miss) envs=(MINFER_TEST_FORCE_EXP_MISS=1) ;;
-                chain) envs=(MINFER_GATEUP_FUSED=0) ;;
+                exp) envs=(); sets=() ;; off) envs=(MINFER_MMQ_Q6K_EXP=0); sets=() ;;
+                miss) envs=(); sets=(--set force_exp_miss=1) ;; chain) envs=(); sets=(--set gateup_fused=0) ;;
             esac
-            env "${envs[@]}" MINFER_MMQ_RAW_NB_DEBUG=1 timeout 120 python3 -m minfer generate -m "$TWIN" \
-                --backend cuda -q -n 40 --ignore-eos -p "$P" >"/tmp/g7b_$mode.txt" 2>"/tmp/g7b_$mode.err"
+            env "${envs[@]}" timeout 120 python3 -m scripts.check.greedy_stream -m "$TWIN" -n 40 -p "$P" \
+                -o "/tmp/g7b_$mode.txt" "${sets[@]}" >"/tmp/g7b_$mode.err" 2>&1
             echo "--- 7B greedy, mode $mode: $(wc -c <"/tmp/g7b_$mode.txt") bytes; $(grep -E 'q6k (exp|exp=off|fallback!):' "/tmp/g7b_$mode.err" | tr '\n' ' ')" >>"$LOG/bench.log"
         done
         if [ -s /tmp/g7b_exp.txt ] && cmp -s /tmp/g7b_exp.txt /tmp/g7b_off.txt && cmp -s /tmp/g7b_exp.txt /tmp/g7b_miss.txt \
@@ -211,19 +217,19 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
         # and its counters live (every layer's launch, all but the last with the next pair)
         P="$(printf 'The capital of France is Paris. %.0s' $(seq 280))The capital of Italy is"
         for mode in exp chain; do
-            case $mode in exp) envs=() ;; chain) envs=(MINFER_GATEUP_FUSED=0) ;; esac
-            env "${envs[@]}" MINFER_MMQ_RAW_NB_DEBUG=1 timeout 120 python3 -m minfer generate -m "$TWIN" \
-                --backend cuda -q -n 24 --ignore-eos -p "$P" >"/tmp/g7l_$mode.txt" 2>"/tmp/g7l_$mode.err"
+            case $mode in exp) sets=() ;; chain) sets=(--set gateup_fused=0) ;; esac
+            timeout 120 python3 -m scripts.check.greedy_stream -m "$TWIN" -n 24 -p "$P" \
+                -o "/tmp/g7l_$mode.txt" "${sets[@]}" >"/tmp/g7l_$mode.err" 2>&1
             echo "--- 7B greedy, long prompt, mode $mode: $(wc -c <"/tmp/g7l_$mode.txt") bytes; $(grep -E 'gate/up (f16|ahead):' "/tmp/g7l_$mode.err" | tr '\n' ' ')" >>"$LOG/bench.log"
         done
-        f16n=$(grep -oP 'gate/up f16: \K[0-9]+' /tmp/g7l_exp.err); ahn=$(grep -oP 'gate/up ahead: \K[0-9]+' /tmp/g7l_exp.err)
+        f16n=$(grep -oP '^gate/up f16: \K[0-9]+' /tmp/g7l_exp.err); ahn=$(grep -oP '^gate/up ahead: \K[0-9]+' /tmp/g7l_exp.err)
         if [ -s /tmp/g7l_exp.txt ] && cmp -s /tmp/g7l_exp.txt /tmp/g7l_chain.txt && [ "${f16n:-0}" -gt 0 ] \
-                && [ "${ahn:-0}" -gt 0 ] && [ "$(grep -oP 'gate/up f16: \K[0-9]+' /tmp/g7l_chain.err)" = 0 ]; then
+                && [ "${ahn:-0}" -gt 0 ] && [ "$(grep -oP '^gate/up f16: \K[0-9]+' /tmp/g7l_chain.err)" = 0 ]; then
             record 7b-greedy-long ok "$(wc -c </tmp/g7l_exp.txt) bytes identical, f16 kernel / chain (gate/up f16 $f16n, ahead $ahn)"
         else
             record 7b-greedy-long FAIL "streams differ, are empty, or the f16 kernel did not run (see bench.log)"
         fi
-        timeout 150 python3 scripts/gemm_paths.py -r 7 >>"$LOG/bench.log" 2>&1 \
+        timeout 150 python3 -m scripts.bench.gemm_paths -r 7 >>"$LOG/bench.log" 2>&1 \
             && record gemm-paths ok "$(grep 'wins for the whole layer' "$LOG/bench.log" | tr '\n' ' ')" \
             || record gemm-paths FAIL "see bench.log"
     else

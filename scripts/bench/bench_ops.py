@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Event-timed micro-benchmarks of the f16 prefill ops at the 7B's shapes.
 
-    python scripts/bench_ops.py [-t 512,3325] [--matvec-only]
+    python3 -m scripts.bench.bench_ops [-t 512,3325] [--matvec-only]
 
 Per weight of a DeepSeek-R1-Distill-Qwen-7B layer (d 3584, d_ff 18944, 28 query /
 4 KV heads of 128): the f16 dequantization (GB/s; q6_K also from a W_exp plane),
@@ -11,6 +11,8 @@ on the prefill rate before norms, RoPE, SwiGLU and the LM head. Then the decode
 matvecs at the 7B's shapes: GB/s of weight bytes read, beside a device-to-device
 copy measured in the same process (the bandwidth decode can hope for). Medians
 of 20 CUDA-event timings after 3 warm-ups; random bytes with finite scales.
+Needs the GPU (cupy and the CUDA backend's modules are imported once it runs);
+scripts.bench.decode_breakdown imports its timing helpers.
 """
 from __future__ import annotations
 
@@ -19,13 +21,6 @@ import sys
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-
-from minfer.backend.cuda.attention import FA_HD, flash_attention
-from minfer.backend.cuda.cublas import gemm_f16
-from minfer.backend.cuda.f16 import dequant_f16
-from minfer.backend.cuda.int8 import quantize_q8_1
-from minfer.backend.cuda.matvec import matvec, matvecs
-from minfer.backend.cuda.nvrtc import K
 
 N_LAYER, N_HEAD, N_KV = 28, 28, 4
 LAYER = (("attn_q", QT.Q4_K, 3584, 3584), ("attn_k", QT.Q4_K, 512, 3584),
@@ -65,6 +60,7 @@ def graph_ms(cp, fn, n: int = 20) -> float:
 
 def dequant_bytes(qtype, n_out: int, n_in: int, w_exp: bool) -> int:
     """Device bytes one dequant_f16 call reads + writes."""
+    from minfer.backend.cuda.nvrtc import K
     n_sb = n_out * (n_in // K["QK_K"])
     if qtype == QT.Q4_K:
         read = n_sb * K["Q4K_BYTES"]
@@ -77,6 +73,7 @@ def dequant_bytes(qtype, n_out: int, n_in: int, w_exp: bool) -> int:
 
 def random_weight(cp, qtype, n_out: int, n_in: int):
     """Random device bytes of a (n_out, n_in) weight with finite scales (d = 0.01)."""
+    from minfer.backend.cuda.nvrtc import K
     n_sb = n_out * (n_in // K["QK_K"])
     stride, d_at = ((K["Q4K_BYTES"], (0, 2)) if qtype == QT.Q4_K else (K["Q6K_PADDED"], (208,)))
     raw = cp.random.randint(0, 256, (n_sb, stride), dtype=cp.int32).astype(cp.uint8)
@@ -101,6 +98,9 @@ def copy_gbs(cp) -> float:
 
 
 def bench_matvec(cp) -> None:
+    from minfer.backend.cuda.int8 import quantize_q8_1
+    from minfer.backend.cuda.matvec import matvec, matvecs
+
     copy = copy_gbs(cp)
     print(f"device-to-device copy: {copy:,.0f} GB/s (read + write)")
     print(f"{'matvec':<22}{'shape':>16}{'us':>9}{'GB/s':>8}{'of copy':>9}")
@@ -129,12 +129,17 @@ def _row(name: str, shape: str, ms: float, nbytes: int, copy: float) -> None:
 
 
 def main() -> int:
-    import cupy as cp
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.bench.bench_ops", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-t", "--tokens", default="512,3325")
     ap.add_argument("--matvec-only", action="store_true", help="only the decode matvecs")
     a = ap.parse_args()
+    import cupy as cp
+
+    from minfer.backend.cuda.attention import FA_HD, flash_attention
+    from minfer.backend.cuda.cublas import gemm_f16
+    from minfer.backend.cuda.f16 import dequant_f16
+
     bench_matvec(cp)
     if a.matvec_only:
         return 0

@@ -2,11 +2,11 @@
 """Where a greedy decode step's device time goes: every launch of the step, timed
 alone at the model's shapes, summed over the layers.
 
-    python scripts/decode_breakdown.py [--header models/...header.gguf] [-d 16,3325]
+    python3 -m scripts.bench.decode_breakdown [--header models/...header.gguf] [-d 16,3325]
 
 The shapes and each layer's weight types come from a GGUF header (default: the
 7B's). Each launch is captured 20 times in a CUDA graph and the replay timed
-(scripts/bench_ops.py graph_ms), so a row is one launch's device time including
+(scripts/bench/bench_ops.py graph_ms), so a row is one launch's device time including
 its share of the graph's per-kernel cost; the launches are the ones the CUDA
 backend issues for one token (minfer/backend/cuda/gemm.py: norm_linears, ffn;
 backend.py: rope_attention). Random weights with finite scales. Printed per
@@ -23,15 +23,11 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from bench_ops import graph_ms, random_weight      # scripts/bench_ops.py (the script's own folder)
-
-from minfer.backend.cuda import attention, int8, ops
-from minfer.backend.cuda.launch import DevicePos
-from minfer.backend.cuda.matvec import matvec, matvecs, split_of
 from minfer.config import ModelConfig
 from minfer.gguf import open_gguf
+from scripts.bench.bench_ops import graph_ms, random_weight
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_HEADER = ROOT / "models" / "deepseek-r1-distill-qwen-7b-q4_k_m.header.gguf"
 
 
@@ -44,11 +40,16 @@ def layer_types(f) -> list[tuple[QT, ...]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m scripts.bench.decode_breakdown", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--header", default=str(DEFAULT_HEADER))
     ap.add_argument("-d", "--depths", default="16,3325", help="context lengths to time attention at")
     a = ap.parse_args()
     import cupy as cp
+
+    from minfer.backend.cuda import attention, int8, ops
+    from minfer.backend.cuda.launch import DevicePos
+    from minfer.backend.cuda.matvec import matvec, matvecs, split_of
     f = open_gguf(a.header, header_only=True)
     cfg = ModelConfig.from_gguf(f)
     d, kv, ff, hd = cfg.d_model, cfg.kv_dim, cfg.d_ff, cfg.head_dim

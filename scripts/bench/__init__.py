@@ -1,0 +1,1 @@
+"""Measurement tools: they print figures (tables, ratios), no verdict."""
