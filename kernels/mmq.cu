@@ -306,7 +306,7 @@ mmq_q6k_bt(const i8* __restrict__ xq,      // (T, K) q8_1 values
 }
 
 #ifdef MINFER_SASS_INSTANTIATE
-// Offline builds only (scripts/sass_check.py: nvcc -cubin); NVRTC instantiates
+// Offline builds only (scripts/check/sass_check.py: nvcc -cubin); NVRTC instantiates
 // through name_expressions instead and never sees these.
 template __global__ void mmq_q4k<MMQ_KDR>(const i8*, const float*, const float*, const u8*,
                                     const float*, float*, int, int, int);
