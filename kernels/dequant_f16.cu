@@ -1,4 +1,4 @@
-// Whole-weight dequantization to fp16 for the cuBLAS prefill path (backend/cuda/f16.py):
+// Whole-weight dequantization to fp16 for the cuBLAS prefill path (backend/cuda/kernels/dequant_f16.py):
 // W (n_out, n_in) quantized -> W16 (n_out, n_in) f16, then x16 @ W16^T on tensor
 // cores. Each output is the f32 value of the NumPy reference (gguf.quants /
 // minfer.quants, ggml's dequantize_row_q4_K / _q6_K) rounded to f16 (RNE):
@@ -147,8 +147,8 @@ cast_f32_f16(const float4* __restrict__ x, uint2* __restrict__ y, long long n4) 
 }
 
 // gate, up (rows, cols) f16 -> y (rows, cols) f16 packed = silu(gate) * up, computed
-// in f32 as swiglu_f32 (elementwise.cu) and rounded once: the f16 FFN (gemm.py,
-// Gemms.ffn_f16) keeps its (T, d_ff) intermediates in f16, the precision the down
+// in f32 as swiglu_f32 (elementwise.cu) and rounded once: the f16 FFN (ffn.py,
+// FFN.f16) keeps its (T, d_ff) intermediates in f16, the precision the down
 // GEMM reads. gate's and up's rows are ldv vectors apart (the column blocks of one
 // GEMM's output over the concatenated gate/up weights: ldv = 2 colsv; packed: ldv =
 // colsv). V elements a thread (V = 4: 8-byte loads and stores; V = 8: 16-byte ones,

@@ -16,7 +16,7 @@
 // conversions cost ceil(T / 256) times the weight: with one or two nearly full block
 // rows that is less than the dequantization, with more rows or a mostly empty last
 // one it is more, and below ~128 tokens the conversions are most of the work
-// (scripts/bench/ab.py re-measures it); gemm.py's gateup_kernel decides the lengths.
+// (scripts/bench/ab.py re-measures it); paths.py's gateup_kernel decides the lengths.
 //
 // Block: 384 threads, one block an SM, a tile of 64 features f0.. of both weights x
 // 256 tokens m0.. (or a half tile of 128 tokens in the grid's last wave: see the
@@ -269,7 +269,7 @@ __device__ __forceinline__ void gu_consume(u8* sm, u32 s_ring, u32 s_full, u32 s
 // The tile of work unit b (gateup_swiglu_q4k: block b): units 0 .. n_full-1 are whole
 // tiles 0 .. n_full-1 (64 features x 256 tokens), each later unit half of one of the
 // remaining tiles (128 tokens), so a last wave that would hold few whole tiles holds
-// twice as many half tiles instead (gateup.py's tiling decides n_full). Tiles are
+// twice as many half tiles instead (kernels/gateup_sm90.py's tiling decides n_full). Tiles are
 // numbered by 256-token row first, then feature block: the blocks running at once
 // cover a few feature blocks for every row, whose weight rows and X fit in L2;
 // numbered the other way, they covered one row and 132 feature blocks, and every row
@@ -347,7 +347,7 @@ gateup_swiglu_q4k(const u8* __restrict__ xmaps, const u8* __restrict__ wmaps, u1
 // while three warps of the producer warpgroup apply SwiGLU and store h, and then
 // dequantize a slice of the NEXT layer's gate and up (q4_K) into another (2 d_ff, K)
 // array, so that dequantization leaves the critical path for every layer but the
-// first (gemm.py keeps the two arrays and decides who reads and writes which).
+// first (state.py keeps the two arrays, ffn.py decides who reads and writes which).
 // Shared memory: a ring of GU16_STAGES stages of X (256 tokens x 64, 32 KB) | gate
 // rows f0.. (64 x 64 f16, 8 KB) | up's (8 KB), 128-byte swizzled; the epilogue
 // buffer (gate's and up's f16 tiles, gu_tile_at's layout, 64 KB); two buffers of the
