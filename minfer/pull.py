@@ -97,6 +97,14 @@ def download_wheel(requirement: str, dest: Path) -> Path:
     return wheels[0]
 
 
+def _size(n: int) -> str:
+    """bytes for people, in the units pip and the progress bar use: 1.12 GB, 5.4 kB"""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{n} B"
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -227,6 +235,9 @@ def _assemble(m: Manifest, final: Path, progress: bool) -> Path:
     record = _Progress(final, m)
     tmp = final.with_name(f"{final.name}.{os.getpid()}.partial")
     done, size, h = record.adopt(tmp)
+    if progress:        # said on every stderr: a bar shows on terminals only
+        again = f", resuming after part {done} of {m.parts}" if done else ""
+        print(f"minfer: downloading {m.name} ({_size(m.size)}) to {final}{again}", file=sys.stderr, flush=True)
     try:
         with open(tmp, "ab") as out, \
                 progress_bar(enabled=progress, total=m.size, initial=size, unit="B", unit_scale=True,

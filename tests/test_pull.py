@@ -74,6 +74,23 @@ def test_pull_assembles_verifies_and_caches(fake_index, tmp_path, capsys, monkey
     assert pull(force=True).read_bytes() == whole and len(calls) == 6
 
 
+def test_a_download_says_so_on_any_stderr(fake_index, tmp_path, capsys, monkeypatch):
+    """stderr not a terminal (a log, a CI job): no bar, but one line naming the size and
+    the place; a resumed download says after which part; a cached model says nothing."""
+    state, parts, whole, calls = fake_index
+    path = pull(progress=True)
+    assert capsys.readouterr().err == f"minfer: downloading tiny (5.4 kB) to {path}\n"
+    assert ensure_model() == path and capsys.readouterr().err == ""
+    interrupt_at(monkeypatch, 3, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        pull(progress=True, force=True)
+    capsys.readouterr()
+    pull(progress=True, force=True)
+    assert capsys.readouterr().err == f"minfer: downloading tiny (5.4 kB) to {path}, resuming after part 2 of 3\n"
+    pull(progress=False, force=True)
+    assert capsys.readouterr().err == ""
+
+
 def test_bad_sha256_leaves_nothing_under_the_final_name(fake_index, tmp_path):
     state, *_ = fake_index
     m = state["m"]
