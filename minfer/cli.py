@@ -26,6 +26,9 @@ from .errors import MinferError
 from .escapes import process_escapes
 
 MAX_TEXT_BYTES = 64 << 20      # prompt and perplexity files: 64 MiB
+# --backend's choices, checked when the arguments are parsed: minfer.backend.BACKENDS,
+# written out so that parsing imports nothing heavy (tests/test_cli.py checks they agree)
+BACKENDS = ("auto", "cpu", "cuda")
 EXIT_SIGPIPE = 128 + 13        # the shell's status for a process killed by SIGPIPE
 
 # subcommands that live in their own modules, each with add_arguments(parser) and
@@ -48,11 +51,16 @@ def _out(text: str) -> None:
         raise _StdoutClosed() from None
 
 
-def _model_path(args) -> str:
-    if args.model:
-        return args.model
+def model_path(model: str | None) -> str:
+    """-m's file, or the default model (pulled on first use, which stderr reports)."""
+    if model:
+        return model
     from .pull import ensure_model
     return str(ensure_model(progress=True))
+
+
+def _model_path(args) -> str:
+    return model_path(args.model)
 
 
 def _utf8(data: bytes, what: str) -> str:
@@ -157,9 +165,7 @@ def cmd_generate(args) -> int:
 def cmd_tokenize(args) -> int:
     from .tokenizer import open_tokenizer
 
-    if (args.prompt is None) == (args.file is None):
-        raise MinferError("give exactly one of -p TEXT or -f FILE")
-    text = _prompt_text(args)
+    text = _prompt_text(args)           # -p or -f: one of them, argparse made sure
     # the tokenizer part of the file only: vocabulary-only GGUFs tokenize too
     tok = open_tokenizer(_model_path(args))
     ids = tok.encode(text, parse_special=not args.no_parse_special,
@@ -223,6 +229,17 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
+def add_model_arg(p) -> None:
+    p.add_argument("-m", "--model", metavar="PATH",
+                   help="GGUF file (default: the pulled Qwen2.5-Coder-1.5B-Instruct Q4_K_M, "
+                        "downloaded on first use)")
+
+
+def add_backend_arg(p) -> None:
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="auto (default: cuda when cupy and a device are usable, else cpu), cpu or cuda")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="minfer", description="Run GGUF-quantized LLMs on an NVIDIA GPU, "
                                             "with a NumPy reference on the CPU.")
@@ -230,20 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    def model_arg(p):
-        p.add_argument("-m", "--model", metavar="PATH",
-                       help="GGUF file (default: the pulled Qwen2.5-Coder-1.5B-Instruct Q4_K_M)")
-
-    def backend_arg(p):
-        p.add_argument("--backend", default="auto",
-                       help="auto (default: cuda when cupy and a device are usable, else cpu), cpu or cuda")
-
     def no_escape_arg(p):
         p.add_argument("--no-escape", action="store_true",
                        help="take -p as written (default: process escapes like \\n, \\t, \\xHH as llama.cpp does)")
 
     g = sub.add_parser("generate", help="greedy generation, streamed to stdout")
-    model_arg(g)
+    add_model_arg(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text (special tokens like <|im_start|> are parsed)")
     src.add_argument("-f", "--file", help="read the prompt from FILE (- for stdin), as written")
@@ -253,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context size (default: min(training context, 4096))")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="system message for --chat")
-    backend_arg(g)
+    add_backend_arg(g)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up run after load (short prefills and one decode step on a "
@@ -267,9 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     t = sub.add_parser("tokenize", help="print token ids as a JSON list")
-    model_arg(t)
-    t.add_argument("-p", "--prompt", help="text to tokenize")
-    t.add_argument("-f", "--file", help="read the text from FILE (- for stdin), as written")
+    add_model_arg(t)
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="text to tokenize")
+    src.add_argument("-f", "--file", help="read the text from FILE (- for stdin), as written")
     no_escape_arg(t)
     t.add_argument("--no-parse-special", action="store_true",
                    help="treat special-token text like <|im_end|> as plain text")
@@ -285,11 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_pull)
 
     pp = sub.add_parser("perplexity", help="perplexity of a text file (llama.cpp's method)")
-    model_arg(pp)
+    add_model_arg(pp)
     pp.add_argument("-f", "--file", required=True, help="text file (- for stdin)")
     pp.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens (default 512)")
     pp.add_argument("--chunks", type=int, default=None, help="evaluate at most N chunks (default: all)")
-    backend_arg(pp)
+    add_backend_arg(pp)
     pp.add_argument("-q", "--quiet", action="store_true",
                     help="no progress bar and no line naming the backend auto chose")
     pp.set_defaults(func=cmd_perplexity)

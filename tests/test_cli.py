@@ -76,10 +76,27 @@ def test_prompt_longer_than_the_context(real_model_path):
     assert_one_line_error(r, "longer than the context of 16")
 
 
-@pytest.mark.model
-def test_unknown_backend(real_model_path):
-    assert_one_line_error(minfer("generate", "-m", real_model_path, "-p", "hi", "--backend", "tpu"),
-                          "unknown backend 'tpu'")
+@pytest.mark.parametrize("argv", [["generate", "-p", "hi"], ["perplexity", "-f", "text.txt"],
+                                  ["bench", "-p", "8"]])
+def test_unknown_backend_is_refused_when_parsing(tmp_path, argv):
+    """Before the model is opened: the missing file is not what the error names."""
+    r = minfer(*argv, "-m", tmp_path / "missing.gguf", "--backend", "tpu")
+    assert_one_line_error(r, "--backend", "invalid choice", "'tpu'", f"minfer {argv[0]} --help")
+    assert "missing.gguf" not in r.stderr
+
+
+def test_backend_choices_are_the_backends():
+    from minfer.backend import BACKENDS
+    from minfer.cli import BACKENDS as CHOICES
+    assert CHOICES == BACKENDS
+
+
+def test_tokenize_takes_one_of_p_or_f(tmp_path):
+    r = minfer("tokenize", "--help")
+    assert r.returncode == 0 and "(-p PROMPT | -f FILE)" in r.stdout, r.stdout
+    assert_one_line_error(minfer("tokenize", "-m", tmp_path / "x.gguf"), "one of the arguments -p/--prompt -f/--file")
+    assert_one_line_error(minfer("tokenize", "-m", tmp_path / "x.gguf", "-p", "a", "-f", tmp_path / "a.txt"),
+                          "not allowed with")
 
 
 @pytest.fixture(scope="session")
