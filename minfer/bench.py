@@ -14,7 +14,8 @@ CUDA graph, which the timed repetitions replay; MINFER_CUDA_GRAPHS=0 times the
 eager path instead), then at once its r timed repetitions, as llama-bench does:
 a test is not timed in the state the one before it left (a 512-token prefill timed
 right after 3,325-token ones ran ~10% slower, likely the GPU's clocks following its
-recent power draw, docs/PERF.md 6.45); prompt ids are seeded random ids
+recent power draw; scripts/bench/product_ceiling.py samples the SM clock under
+such load); prompt ids are seeded random ids
 in the vocabulary; every prefill starts at position 0 of one cache allocated
 once, so each repetition overwrites the same positions. The bench uses only
 the Backend interface (timer, counters, memory_report, memory_check, device_info).
@@ -97,7 +98,8 @@ def parse_lengths(s: str, flag: str = "-p") -> list[int]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+    from .cli import add_backend_arg, add_model_arg
+    add_model_arg(p)
     p.add_argument("-p", "--prompt-lengths", default="512,3325",
                    help="comma-separated prefill lengths (default 512,3325)")
     p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions per test (default 5)")
@@ -106,8 +108,7 @@ def add_arguments(p) -> None:
     p.add_argument("-d", "--n-depth", default=str(DECODE_DEPTH),
                    help=f"comma-separated tokens in the KV cache before each tg test (default "
                         f"{DECODE_DEPTH}); a test at another depth is named like llama-bench's 'tg128 @ d3325'")
-    p.add_argument("--backend", default="auto",
-                   help="auto (default: cuda when cupy and a device are usable, else cpu), cuda or cpu")
+    add_backend_arg(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     p.add_argument("-o", "--output", choices=tuple(FORMATS), default="md",
                    help="md: tables (default); json: one object; jsonl, csv: one record per test")
@@ -117,14 +118,18 @@ def add_arguments(p) -> None:
                         "needs minfer[plot])")
 
 
-def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed: int = 0,
-        depths: tuple[int, ...] = (DECODE_DEPTH,)) -> dict:
-    from .engine import Engine
-
+def check_counts(reps: int, n_decode: int) -> None:
     if reps < 1:
         raise MinferError(f"-r must be at least 1, got {reps}")
     if n_decode < 0:
         raise MinferError(f"-n must be 0 or more, got {n_decode}")
+
+
+def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed: int = 0,
+        depths: tuple[int, ...] = (DECODE_DEPTH,)) -> dict:
+    from .engine import Engine
+
+    check_counts(reps, n_decode)
     n_ctx = max(max(lengths), max(depths) + n_decode)
     stamp = utc_timestamp()
     t0 = time.perf_counter()
@@ -239,12 +244,23 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _size(n: int) -> str:
+    """bytes for people: 18.0 KiB, 190.5 MiB, 4.36 GiB (never 0.00 GiB)"""
+    if n >= 2**30:
+        return _gib(n)
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
 def format_report(r: dict) -> str:
     size = _gib(r["size_bytes"])
     params = f"{r['params'] / 1e9:.2f} B"
     head = provenance(r)
     lines = ([head, ""] if head else []) + [
-             f"load: {r['load_s']:.2f} s (file to {r['backend']} memory, W_exp planes included where registered)",
+             f"load: {r['load_s']:.2f} s (file to {r['backend']} memory"
+             + (", W_exp planes included where registered)" if r["backend"] == "cuda" else ")"),
              "",
              "| model | size | params | backend | test | t/s |",
              "| --- | ---: | ---: | --- | ---: | ---: |"]
@@ -258,7 +274,7 @@ def format_report(r: dict) -> str:
     check = r.get("memory_check") or {}
     lines += ["", "| memory | bytes | |", "| --- | ---: | ---: |"]
     for kind, v in r["memory"].items():
-        note = _gib(v)
+        note = _size(v)
         if kind == "W_exp planes" and "W_exp planes expected" in check:
             verdict = "OK" if check.get("problem") is None else f"MISMATCH: {check['problem']}"
             note = f"expected od×id over the tensor table = {check['W_exp planes expected']:,}: {verdict}"
@@ -276,8 +292,10 @@ def main(args) -> int:
     if args.plot:
         from .plot import check_plot_target
         check_plot_target(args.plot)        # now, not after minutes of measuring
-    r = run(args.model, parse_lengths(args.prompt_lengths), args.reps, args.n_decode,
-            args.backend, args.seed, tuple(parse_lengths(args.n_depth, "-d")))
+    from .cli import model_path
+    lengths, depths = parse_lengths(args.prompt_lengths), tuple(parse_lengths(args.n_depth, "-d"))
+    check_counts(args.reps, args.n_decode)            # bad input: before a first-use download
+    r = run(model_path(args.model), lengths, args.reps, args.n_decode, args.backend, args.seed, depths)
     print(FORMATS[args.output](r))
     if args.plot:
         from .plot import plot_throughput

@@ -139,6 +139,25 @@ def test_bench_table_cpu(tiny_model, capsys):
     out = capsys.readouterr().out
     assert "| model | size | params | backend | test | t/s |" in out
     assert "| pp5 |" in out and "tg" not in out.split("| test | reps")[0].split("t/s |")[1]
+    # nothing of the GPU's: no W_exp planes, no launch paths, no 0.00 GiB rows
+    assert "\nload: " in out and " s (file to cpu memory)\n" in out
+    assert "W_exp" not in out and "launch path" not in out and "0.00 GiB" not in out
+    kv = 2 * TINY["n_layer"] * 16 * 1 * 128 * 4       # k and v, float32; n_ctx: -d 16 (default) + -n 0
+    assert f"| KV cache | {kv:,} | {kv / 1024:.1f} KiB |" in out
+
+
+def test_bench_without_m_uses_the_default_model(tiny_model, capsys, monkeypatch):
+    """As generate and perplexity do: no -m is the default model, pulled on first use."""
+    import minfer.pull
+    from minfer.cli import main
+    asked = []
+    monkeypatch.setattr(minfer.pull, "ensure_model", lambda name=None, progress=True: asked.append(progress)
+                        or tiny_model)
+    assert main(["bench", "--backend", "cpu", "-p", "5", "-r", "1", "-n", "0", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model"] == str(tiny_model) and asked == [True]
+    # bad input is refused before a download
+    assert main(["bench", "--backend", "cpu", "-r", "0"]) == 2 and asked == [True]
 
 
 @pytest.mark.parametrize("argv, word", [(["-p", "0"], "positive"), (["-p", "x"], "comma"),
@@ -167,5 +186,6 @@ def test_format_report_device_rows():
     assert "| q4_K weights | 10 |" in out and "| q6_K padded | 20 |" in out
     assert "| W_exp planes | 30 | expected od×id over the tensor table = 30: OK |" in out
     assert "| device used | 7 |" in out and "| q6k exp | 27 |" in out
+    assert "s (file to cuda memory, W_exp planes included where registered)" in out
     r["memory_check"] = {"W_exp planes expected": 40, "problem": "planes hold 30, needs 40"}
     assert "= 40: MISMATCH: planes hold 30, needs 40 |" in format_report(r)
