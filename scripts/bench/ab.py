@@ -46,7 +46,7 @@ def mode_of(a: dict, b: dict, backend: str) -> str:
     if (set(a) | set(b) == {EXP_FIELD} and a.get(EXP_FIELD, True) != b.get(EXP_FIELD, True)
             and backend == "cuda"):
         return "toggle"
-    if not (set(a) | set(b)) & settings_fields.LOAD_TIME:
+    if not (set(a) | set(b)).intersection(settings_fields.LOAD_TIME):
         return "one engine"
     return "two engines"
 
