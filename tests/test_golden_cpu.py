@@ -2,7 +2,7 @@
 fed prompt_ids + token_ids, the CPU must pick the golden token at every position
 where its top-1/top-2 margin is decisive (the `decisive` fixture, the parity bound).
 Also: the stored text is the tokenizer's decoding of the stored ids, and each
-stream is at least 178 characters (the length scripts/golden.py grows it to)."""
+stream is at least 178 characters (the length scripts/check/golden.py grows it to)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,7 @@ GOLDEN = sorted((Path(__file__).resolve().parent / "golden").glob("*.json"))
 @pytest.fixture(scope="module")
 def engine(synth_dir):
     if not GOLDEN:
-        pytest.skip("no golden files in tests/golden yet (made on the GPU: scripts/golden.py --update)")
+        pytest.skip("no golden files in tests/golden yet (made on the GPU: python3 -m scripts.check.golden --update)")
     from minfer.engine import Engine
     from minfer.synth import synth_model
 
