@@ -175,7 +175,7 @@ class _FakeCuda:
     name = "cuda"
     fail: str | None = None
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, settings=None):     # as CUDABackend(cfg, settings)
         if self.fail:
             raise MinferError(self.fail)
 
