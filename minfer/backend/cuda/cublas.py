@@ -38,7 +38,7 @@ import functools
 
 from ...errors import MinferError
 from . import dependent
-from .launch import check, cp
+from .launch import LAUNCHES, check, cp
 
 # cuBLAS / cuBLASLt enum values (cublas_api.h, cublasLt.h, library_types.h; stable ABI)
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
@@ -220,7 +220,7 @@ class _Lt:
         kernel loaded by a GEMM of 64 rows (made once per shape); with an f32 output
         (the GEMMs that may accumulate into the residual) also by one with beta = 1:
         a kernel preloaded with beta = 0 only took ~5 ms more on its first launch with
-        beta = 1 than after (H200, docs/PERF.md 6.38)."""
+        beta = 1 than after (H200; scripts/bench/bench_ops.py times the GEMMs)."""
         loaded = self.preloaded.get(shape)
         if loaded is not None:
             return loaded
@@ -277,7 +277,29 @@ def gemm_f16(x16, w16, out, accumulate: bool = False):
     c_type = CUDA_R_32F if out.dtype == cp.float32 else CUDA_R_16F
     algo = lt.algo(N, n, T, c_type, _alignment(x16.data.ptr, w16.data.ptr, out.data.ptr), _BEST.get())
     lt.matmul(x16, w16, out, _ONE if accumulate else _ZERO, algo, cp.cuda.get_current_stream().ptr)
+    LAUNCHES["cublasLt matmul"] += 1
     dependent.library_launch()
+    return out
+
+
+def gemm_w16(xh, w16, out=None, bias=None, accumulate: bool = False):
+    """xh (T, n_in) f16 @ w16 (n_out, n_in)^T f16 [+ bias] -> (T, n_out) f32 (or f16
+    when out is f16); accumulate: out += the product (out holds the residual). The
+    bias is added after the GEMM, in place, in f32."""
+    n_out = w16.shape[0]
+    if accumulate and bias is not None:
+        raise ValueError("gemm_w16: a bias with accumulate would add in another order than "
+                         "(x @ W^T + bias) + addend")
+    if out is None:
+        if accumulate:
+            raise ValueError("gemm_w16: accumulate needs an out holding the addend")
+        out = cp.empty((xh.shape[0], n_out), dtype=cp.float32)                    # (T, n_out)
+    gemm_f16(xh, w16, out, accumulate)
+    if bias is not None:
+        if out.dtype != cp.float32:
+            raise ValueError("gemm_w16: a bias needs a float32 out")
+        check(bias, "gemm_w16 bias", cp.float32, (n_out,))
+        out += bias                                                               # (T, n_out)
     return out
 
 

@@ -3,7 +3,7 @@ scheduled while the kernel before it is still finishing.
 
 In a CUDA graph of dependent kernels the GPU otherwise idles between two of them:
 the first drains and flushes, then the second is launched and its blocks placed
-(~2 us a pair on the H200, docs/PERF.md 6.10), and a decode step is ~260 such
+(~2 us a pair on the H200; scripts/bench/decode_breakdown.py shows the gaps), and a decode step is ~260 such
 pairs. Launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, the
 second kernel's blocks are placed as soon as every block of the first has started
 (and passed its own wait), and wait on the SM. Every kernel of kernels/*.cu starts
@@ -61,7 +61,7 @@ class _State:
     # (gateup_swiglu_f16): a dequantization starting early would write the slot it may
     # still read on another SM. The next launch of ours clears it.
     after_scratch = False
-    early_dequants = 0   # f16 dequantizations launched to start before their wait (f16.py)
+    early_dequants = 0   # f16 dequantizations launched to start before their wait (kernels/dequant_f16.py)
 
 
 def library_launch() -> None:

@@ -39,7 +39,7 @@ class Graph:
 
 class GraphRunner:
     """Capture and replay for one backend. `counters` is the backend's
-    gemm.Counters; `keep_alive()` returns the buffers a new graph must hold on to;
+    counters.Counters; `keep_alive()` returns the buffers a new graph must hold on to;
     `dependent()` says whether captures launch dependently now."""
 
     def __init__(self, counters, keep_alive, dependent=lambda: False):
@@ -89,7 +89,7 @@ class GraphRunner:
                 # invalidate a capture); it computes the same bits
                 fn(inp)
                 stream.synchronize()
-                before = dict(self.counters.counts)
+                before = self.counters.counts
                 launched, early = dependent.STATE.launched, dependent.STATE.early_dequants
                 stream.begin_capture(_RELAXED)
                 try:
@@ -97,11 +97,10 @@ class GraphRunner:
                         out = fn(inp)
                 finally:
                     graph = stream.end_capture()
-        after = self.counters.counts
-        counts = {k: after[k] - before[k] for k in after}
+        counts = self.counters.since(before)
+        self.counters.add(counts, -1)        # the capture ran nothing (the warm run did: counted)
         counts["dependent launches"] = dependent.STATE.launched - launched
         counts["early dequants"] = dependent.STATE.early_dequants - early
-        self.counters.counts = before        # the capture ran nothing (the warm run did: counted)
         # the scratch buffers the captured kernels read and write stay alive with the
         # graph, so a later growth (new buffers) cannot free them under it
         return Graph(graph, inp, out, pool, counts, self.keep_alive())

@@ -1,14 +1,17 @@
 """What every kernel wrapper shares: the cupy import, the argument checker, output
-and scratch views, the compiled-kernel lookup and the 1-D launch geometry.
+and scratch views, the compiled-kernel lookup, the launcher and the 1-D launch
+geometry.
 
-A wrapper (one per kernel, in int8.py, f16.py, attention.py, ops.py) checks its
-arguments with `check`, allocates or checks its output with `out_array`, and
-launches through `kernel(...)`; nothing else reaches NVRTC.
+A wrapper (kernels/<name>.py for kernels/<name>.cu) checks its arguments with
+`check`, allocates or checks its output with `out_array`, and launches through
+`kernel(...)`; nothing else reaches NVRTC. The launcher counts every launch by
+kernel name (LAUNCHES; counters.py reads it), so no wrapper counts by hand.
 """
 from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +31,10 @@ THREADS_1D = nvrtc.K["THREADS_1D"]
 MAX_GRID_1D = 65535          # grid-stride kernels: enough blocks to fill the GPU, no more
 MAX_GRID_Y = 65535           # the grid's y dimension (CUDA's limit): kernels walk rows past it
 NULL = np.uint64(0)          # a nullptr kernel argument
+
+# launches since the process started, by kernel name (and "cublasLt matmul"):
+# process-wide, as the kernels are; each backend's counters read differences of it
+LAUNCHES: Counter = Counter()
 
 
 def require_cupy() -> None:
@@ -121,13 +128,16 @@ def or_null(a):
 class Kernel:
     """A compiled kernel of kernels/*.cu. Calling it launches on the current stream:
     as a programmatic dependent of the launch before it while dependent launches
-    are on (inside a graph capture, dependent.py), the ordinary way otherwise."""
-    __slots__ = ("fn",)
+    are on (inside a graph capture, dependent.py), the ordinary way otherwise; and
+    counts the launch under its name."""
+    __slots__ = ("fn", "name")
 
-    def __init__(self, fn):
+    def __init__(self, fn, name: str):
         self.fn = fn                     # the cupy kernel
+        self.name = name                 # as kernel() was asked for it, template arguments included
 
     def __call__(self, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+        LAUNCHES[self.name] += 1
         if dependent.STATE.on:
             dependent.launch(self.fn, grid, block, args, shared_mem, cp)
         else:
@@ -138,7 +148,7 @@ class Kernel:
 def kernel(filename: str, name: str, instances: tuple[str, ...] = ()) -> Kernel:
     """The compiled kernel `name` of kernels/<filename> (compiled once per process;
     `instances` lists the template instantiations the file exports)."""
-    return Kernel(nvrtc.module(filename, instances).get_function(name))
+    return Kernel(nvrtc.module(filename, instances).get_function(name), name)
 
 
 def blocks_1d(n: int, per_block: int = THREADS_1D) -> int:

@@ -31,8 +31,10 @@ from gguf import GGMLQuantizationType as QT
 
 from ... import quants
 from ...errors import MinferError
-from . import f16
-from .int8 import MMQ_TYPES, Q32_TYPES, ROW_KERNELS
+from .kernels.dequant import ROW_KERNELS
+from .kernels.dequant_f16 import dequant_f16
+from .kernels.mmq import MMQ_TYPES
+from .kernels.quants32 import Q32_TYPES
 from .launch import cp
 from .q6k_layout import expand_q6k_dense, pad_q6k
 from .settings import CudaSettings
@@ -108,8 +110,8 @@ class GpuWeight:
 class WeightStore:
     """The registered weights' planes, pointer map and memory, for one backend."""
 
-    def __init__(self, settings: CudaSettings):
-        self.settings = settings                  # exp_planes / force_exp_miss: load-time only
+    def __init__(self, settings):
+        self.settings = settings                  # () -> the backend's CudaSettings (read at registration)
         self.planes: dict[str, object] = {}       # "{name}__exp{od}x{id}" -> int8 (od, id) plane
         self.by_ptr: dict[int, object] = {}       # padded weight device pointer -> its plane
         self.bytes = {"q4_K weights": 0, "q6_K padded": 0, "other": 0}
@@ -144,17 +146,17 @@ class WeightStore:
         weakref.finalize(w, self._forget, kind, w.data.nbytes)
         if w.on_f16_engine:
             self.f16_elems = max(self.f16_elems, n_out * n_in)
-        if w.plane_tensor and self.settings.exp_planes:
+        if w.plane_tensor and self.settings().exp_planes:
             self._register_plane(w, host)
-        if self.settings.f16_weights and w.on_f16_engine and not w.table:
+        if self.settings().f16_weights and w.on_f16_engine and not w.table:
             self._keep_f16(w)
         return w
 
     def _keep_f16(self, w: GpuWeight) -> None:
         """The f16 copy of a weight (settings.f16_weights): the f16 engine's own
         dequantization, once, into an array of its own."""
-        w16 = f16.dequant_f16(w.data, w.qtype, w.n_out, w.n_in,
-                              out=cp.empty(w.n_out * w.n_in, cp.float16), w_exp=self.plane_of(w))
+        w16 = dequant_f16(w.data, w.qtype, w.n_out, w.n_in,
+                          out=cp.empty(w.n_out * w.n_in, cp.float16), w_exp=self.plane_of(w))
         self.f16[w.ptr] = w16                                             # (n_out, n_in)
         self.bytes["f16 weights"] = self.bytes.get("f16 weights", 0) + w16.nbytes
         weakref.finalize(w, self._forget_f16, w.ptr, w16)
@@ -162,8 +164,8 @@ class WeightStore:
     def _register_plane(self, w: GpuWeight, padded_host: np.ndarray) -> None:
         exp_name = f"{w.name}__exp{w.n_out}x{w.n_in}"
         try:
-            if self.settings.force_exp_miss:
-                raise RuntimeError("MINFER_TEST_FORCE_EXP_MISS=1 (simulated failure)")
+            if self.settings().force_exp_miss:
+                raise RuntimeError("settings.force_exp_miss (simulated failure)")
             plane = cp.asarray(expand_q6k_dense(padded_host, w.n_out, w.n_in))   # (od, id) int8
         except Exception as e:  # noqa: BLE001 - any alloc/upload failure: no plane, loud once
             global _warned_miss

@@ -1,38 +1,33 @@
-"""The f16 engine of long prefills: tensor cores in f16, f32 accumulation.
+"""kernels/dequant_f16.cu: the f16 engine's operands.
 
-    dequant_f16      kernels/dequant_f16.cu  q4_K (144-byte blocks), q6_K padded, or q6_K
-                                             through its W_exp plane -> W16 (n_out, n_in) f16
-    dequant_f16_many                         the same for several weights, up to three a launch
-    cast_f16         kernels/dequant_f16.cu  f32 -> f16 (round to nearest even), 4 per thread
-    swiglu_f16       kernels/dequant_f16.cu  silu(gate) * up on f16, computed in f32 (8 or 4
-                                             elements a thread, by alignment)
-    linear_f16_from  dequant_f16 + gemm_w16: xh f16 (T, n_in) @ W^T
-    gemm_w16         cublas.gemm_f16 [+ bias] on an f16 weight (the scratch, or a kept copy)
+    dequant_f16       q4_K (144-byte blocks), q6_K padded, or q6_K through its W_exp
+                      plane -> W16 (n_out, n_in) f16 (the Q32 types: quants32.py)
+    dequant_f16_many  the same for several weights, up to three a launch
+    cast_f16          f32 -> f16 (round to nearest even), 4 per thread
+    swiglu_f16        silu(gate) * up on f16, computed in f32 (8 or 4 elements a
+                      thread, by alignment)
 
 Numerics: a dequantized weight is the f32 value of the NumPy reference rounded
 once to f16 (the kernels equal np.float16(dequantize_rows(...)) bit for bit);
-activations are rounded once to f16; the tensor cores multiply exactly and sum
-in f32. Scratch (x16, w16) is passed in by the caller (gemm.py), allocated for
-the longest prompt and the largest weight, so nothing here allocates when the
-caller gives `out`.
+activations are rounded once to f16. The caller passes the scratch (state.py), so
+nothing here allocates when it gives `out`.
 """
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGMLQuantizationType as QT
 
-from ...errors import MinferError
-from . import dependent
-from .cublas import gemm_f16
-from .int8 import Q32_TYPES, q32_kernel, q32_row_bytes
-from .launch import (MAX_GRID_Y, NULL, blocks_1d, check, check_rows, cp, kernel, launch_grid_stride,
-                     or_null, scratch_view)
-from .nvrtc import K
+from ....errors import MinferError
+from .. import dependent
+from ..launch import (MAX_GRID_Y, NULL, blocks_1d, check, check_rows, cp, kernel, launch_grid_stride,
+                      or_null, scratch_view)
+from ..nvrtc import K
+from .quants32 import Q32_TYPES, dequant32_f16
+
 
 QK_K = K["QK_K"]
 _PER_THREAD = 16                 # outputs per thread of the dequant kernels
 MAX_SEGMENTS = K["DQ_SEGMENTS"]  # weights per dequant_f16_segments launch
-
 # qtype -> (segment type, device bytes per 256-element super-block)
 _DEQ = {QT.Q4_K: (K["DQ_Q4K"], K["Q4K_BYTES"]),        # blocks as stored
         QT.Q6_K: (K["DQ_Q6K"], K["Q6K_PADDED"])}       # padded 224-byte stride
@@ -61,7 +56,7 @@ def dequant_f16_many(weights) -> list:
             raise MinferError(f"no f16 dequantizer for {qtype.name} (have: "
                               f"{', '.join(t.name for t in F16_QTYPES)})")
         if qtype in Q32_TYPES:
-            w16s.append(_dequant32_f16(raw, qtype, n_out, n_in, out))
+            w16s.append(dequant32_f16(raw, qtype, n_out, n_in, out))
             continue
         seg = _segment(raw, qtype, n_out, n_in, out, w_exp)
         w16s.append(seg[2])
@@ -110,21 +105,6 @@ def _launch_segments(segs) -> None:
         (blocks,), (K["THREADS_1D"],), (*args, *(np.int32(f) for f in firsts[1:]), np.int32(early)))
 
 
-def _dequant32_f16(raw, qtype, n_out: int, n_in: int, out=None):
-    """dequant_f16 for the types read in 32-element groups (stored as in the file)."""
-    bs = GGML_QUANT_SIZES[qtype][0]
-    if n_out <= 0 or n_in <= 0 or n_in % bs:
-        raise ValueError(f"dequant_f16 {qtype.name}: shape ({n_out}, {n_in}) needs n_in a positive "
-                         f"multiple of {bs}")
-    check(raw, f"dequant_f16 {qtype.name} raw", cp.uint8, size=n_out * q32_row_bytes(qtype, n_in))
-    w16 = scratch_view(out, (n_out, n_in), "dequant_f16 out", cp.float16)          # (n_out, n_in)
-    check(w16, "dequant_f16 out", cp.float16, align16=True)
-    n_grp = n_out * n_in // 32
-    q32_kernel("dequant32_f16", qtype)((blocks_1d(n_grp),), (K["THREADS_1D"],),
-                                       (raw, w16, np.int64(n_grp)))
-    return w16
-
-
 def _by4(x, what: str) -> int:
     if x.size % 4:
         raise ValueError(f"{what}: {x.size} elements, need a multiple of 4")
@@ -165,46 +145,3 @@ def swiglu_f16(gate, up, out=None):
             (blocks_1d(colsv), min(rows, MAX_GRID_Y)), (K["THREADS_1D"],),
             (gate, up, y, np.int32(colsv), np.int64(ld // v), np.int32(rows)))
     return y
-
-
-def linear_f16_from(xh, raw, qtype, n_out: int, n_in: int, out=None, w16=None, w_exp=None,
-                    bias=None):
-    """xh (T, n_in) f16 (already rounded) @ W (n_out, n_in)^T [+ bias] -> (T, n_out)
-    f32 (or f16 when out is f16).
-
-    W is dequantized into the f16 scratch w16 (>= n_out*n_in elements), then one
-    cuBLAS GEMM; the bias is added in place, in f32. Weights that read the same
-    input (q/k/v, gate/up) share one xh."""
-    if xh.ndim != 2 or xh.shape[1] != n_in:
-        raise ValueError(f"linear_f16: x16 has shape {xh.shape}, expected (T, {n_in})")
-    return gemm_w16(xh, dequant_f16(raw, qtype, n_out, n_in, w16, w_exp), out, bias)
-
-
-def gemm_w16(xh, w16, out=None, bias=None, accumulate: bool = False):
-    """xh (T, n_in) f16 @ w16 (n_out, n_in)^T f16 [+ bias] -> (T, n_out) f32 (or f16
-    when out is f16); accumulate: out += the product (out holds the residual)."""
-    n_out = w16.shape[0]
-    if accumulate and bias is not None:
-        raise ValueError("gemm_w16: a bias with accumulate would add in another order than "
-                         "(x @ W^T + bias) + addend")
-    if out is None:
-        if accumulate:
-            raise ValueError("gemm_w16: accumulate needs an out holding the addend")
-        out = cp.empty((xh.shape[0], n_out), dtype=cp.float32)                    # (T, n_out)
-    gemm_f16(xh, w16, out, accumulate)
-    if bias is not None:
-        if out.dtype != cp.float32:
-            raise ValueError("linear_f16: a bias needs a float32 out")
-        check(bias, "linear_f16 bias", cp.float32, (n_out,))
-        out += bias                                                               # (T, n_out)
-    return out
-
-
-def linear_f16(x, raw, qtype, n_out: int, n_in: int, out=None, x16=None, w16=None, w_exp=None,
-               bias=None):
-    """x (T, n_in) f32 -> rounded into the f16 scratch x16, then linear_f16_from."""
-    check(x, "linear_f16 x", cp.float32, ndim=2)
-    if x.shape[1] != n_in:
-        raise ValueError(f"linear_f16: x has shape {x.shape}, expected (T, {n_in})")
-    xh = cast_f16(x, scratch_view(x16, x.shape, "linear_f16 x16", cp.float16))     # (T, n_in)
-    return linear_f16_from(xh, raw, qtype, n_out, n_in, out, w16, w_exp, bias)

@@ -1,5 +1,5 @@
-"""The gate/up projections and SwiGLU of a prompt's FFN in one Hopper kernel
-(kernels/gateup_sm90.cu), in two forms:
+"""kernels/gateup_sm90.cu: the gate/up projections and SwiGLU of a prompt's FFN in
+one Hopper kernel, in two forms:
 
     gateup_swiglu_q4k   xh f16 (T, K) with gate, up q4_K (d_ff, K) as stored
                         -> h = f16(silu(f16(xh G^T)) * f16(xh U^T)) f16 (T, d_ff)
@@ -10,11 +10,11 @@
     fits                can the kernels take these weights on this GPU?
     tiling              their whole (256-token) and half tiles for a grid of T tokens
 
-Numerics: the f16 engine's (f16.py: each weight the f16 of its dequantized value,
+Numerics: the f16 engine's (dequant_f16.py: each weight the f16 of its dequantized value,
 products exact, f32 sums, the GEMM's output rounded to f16, swiglu_f16's
 expression), so h has the bits of dequantize + cuBLAS + swiglu_f16 wherever cuBLAS
 sums each output's 16-wide products in k order (tests/gpu/test_gateup.py).
-gemm.py (gateup_kernel) decides when each runs.
+paths.py (gateup_kernel) decides when each runs.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import functools
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from . import dependent, tma
-from .launch import NULL, check, cp, device_cc, kernel, scratch_view, sm_count
-from .nvrtc import ARCH_SPECIFIC, K
+from .. import dependent, tma
+from ..launch import NULL, check, cp, device_cc, kernel, scratch_view, sm_count
+from ..nvrtc import ARCH_SPECIFIC, K
 
 _FILE = "gateup_sm90.cu"
 QK_K, Q4K_BYTES = K["QK_K"], K["Q4K_BYTES"]
@@ -109,22 +109,22 @@ def gateup_swiglu_q4k(xh, gate_raw, up_raw, d_ff: int, out=None):
     return h
 
 
-def gateup_swiglu_f16(xh, w16, d_ff: int, ahead=None, out=None):
+def gateup_swiglu_f16(xh, w16, d_ff: int, prefetch=None, out=None):
     """xh f16 (T, n_in), w16 f16 (2 d_ff, n_in): gate's rows, then up's, as
     dequant_f16 writes them -> h f16 (T, d_ff) (into out when given), the bits of
-    gateup_swiglu_q4k on the weights w16 was dequantized from. ahead: None, or
+    gateup_swiglu_q4k on the weights w16 was dequantized from. prefetch: None, or
     (gate_raw, up_raw, out16): two more q4_K weights (d_ff, n_in) as stored, which the
     launch dequantizes into out16 (f16, 2 d_ff x n_in elements, not w16's memory) as
     dequant_f16 would."""
     T, n_in, h = _checked("gateup_swiglu_f16", xh, d_ff, out)                      # h (T, d_ff)
     check(w16, "gateup w16", cp.float16, (2 * d_ff, n_in), align16=True)
     gate_a, up_a, out_a, groups = NULL, NULL, NULL, 0
-    if ahead is not None:
-        gate_a, up_a, out_a = ahead
+    if prefetch is not None:
+        gate_a, up_a, out_a = prefetch
         for raw, what in ((gate_a, "gate"), (up_a, "up")):
-            _check_q4k(raw, f"gateup ahead {what}", d_ff, n_in)
-        out_a = check(scratch_view(out_a, (2 * d_ff, n_in), "gateup ahead out", cp.float16),
-                      "gateup ahead out", cp.float16, align16=True)               # (2 d_ff, n_in)
+            _check_q4k(raw, f"gateup prefetch {what}", d_ff, n_in)
+        out_a = check(scratch_view(out_a, (2 * d_ff, n_in), "gateup prefetch out", cp.float16),
+                      "gateup prefetch out", cp.float16, align16=True)               # (2 d_ff, n_in)
         a0, w0 = out_a.data.ptr, w16.data.ptr
         if a0 < w0 + w16.nbytes and w0 < a0 + out_a.nbytes:
             raise ValueError("gateup_swiglu_f16: the next weights' f16 array overlaps this launch's w16")

@@ -1,4 +1,4 @@
-"""The decode (one-row) matvecs on q8_1 activations, kernels/matvec.cu:
+"""kernels/matvec.cu: the decode (one-row) matvecs on q8_1 activations.
 
     matvecs     up to three weights that read the same x, one launch (one type, or
                 q4_K beside q6_K):
@@ -6,17 +6,18 @@
                 of o and down)
     matvec      one weight (the same kernel)
 
-x comes as q8_1 (int8.quantize_q8_1, rmsnorm_q8_1 or swiglu_q8_1). Weights: q4_K as
-stored, q6_K padded, the 32-element group types (int8.Q32_TYPES) as stored.
+x comes as q8_1 (quantize.py's quantize_q8_1 or swiglu_q8_1, norm.py's rmsnorm_q8_1). Weights: q4_K as
+stored, q6_K padded, the 32-element group types (quants32.Q32_TYPES) as stored.
 """
 from __future__ import annotations
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from .int8 import BLOCK_BYTES, QK_K, Q32_TYPES, q32_row_bytes
-from .launch import NULL, blocks_1d, check, cp, kernel, or_null, out_array
-from .nvrtc import K
+from ..launch import NULL, blocks_1d, check, cp, kernel, or_null, out_array
+from ..nvrtc import K
+from .mmq import BLOCK_BYTES, QK_K
+from .quants32 import Q32_TYPES, q32_row_bytes
 
 MV_TYPES = (QT.Q4_K, QT.Q6_K) + Q32_TYPES
 MIXED = (QT.Q4_K, QT.Q6_K)                   # the one pair of types one launch may mix
@@ -49,7 +50,7 @@ def blocks_of(ods, split: int, rpw: int) -> int:
 def rows_per_warp(qa, qb, split: int) -> int:
     """Rows per warp of a launch: 2 for q6_K weights whose K is split across a
     block's warps (the 7B's q6_K ffn_down: 18.3 us at 2, 22.0 at 4), else 4.
-    Measured per shape on the H200 (docs/PERF.md 6.14): 1 row was slower
+    Measured per shape on the H200 (scripts/bench/decode_breakdown.py): 1 row was slower
     everywhere, 2 equal or slower for every other shape. Every choice gives the
     same bits (a row's sums do not depend on it)."""
     return 2 if QT(qa) == QT(qb) == QT.Q6_K and split > 1 else K["MV_RPW"]

@@ -1,22 +1,12 @@
-"""Causal GQA attention over a layer's KV cache, one wrapper per kernel:
+"""kernels/decode_attn.cu: the f16 KV cache's stores and one-row attention.
 
-    attention_f32    kernels/attention.cu   f32 cache, tiled online softmax (head dims 64, 128)
-    store_kv_f16     kernels/decode_attn.cu k, v f32 -> f16 cache rows at a host or device position
-    flash_attention  kernels/flash_attn.cu  f16 cache, tensor-core mma.m16n8k16 (head dim 128);
-                     kernels/flash_attn_sm90.cu the same on Hopper through wgmma (flash_kind)
-    decode_attention kernels/decode_attn.cu one query row over the f16 cache, split over the
-                                            keys in chunks (flash-decoding), position from
-                                            device memory; optionally RoPE and the store of
-                                            the new row in the same launch; one launch in all
-                                            below DEC_SHORT_KEYS positions
-    rope_store_kv_f16 kernels/decode_attn.cu RoPE on q and k and the f16 store of k, v: one launch
-    attention_f16    store_kv_f16, then attend_f16
-    attend_f16       flash_attention (T > 1) or decode_attention (T == 1) over a filled cache
-
-Both compute softmax(q k^T / sqrt(hd)) v over keys 0..pos0+t for query t, query
-head h reading KV head h // (n_head / n_kv), streaming key tiles (no T x T
-buffer). The f16 path rounds Q, K, V and the probabilities to f16 and keeps
-scores, the softmax and the accumulators in f32.
+    store_kv_f16      k, v f32 -> f16 cache rows at a host or device position
+    decode_attention  one query row over the f16 cache, split over the keys in chunks
+                      (flash-decoding), position from device memory; optionally RoPE
+                      and the store of the new row in the same launch; one launch in
+                      all below DEC_SHORT_KEYS positions
+    rope_store_kv_f16 a prompt's biases, RoPE on q and k, the f16 store of k, v and
+                      q's rounding to f16: one launch
 """
 from __future__ import annotations
 
@@ -25,11 +15,12 @@ import math
 
 import numpy as np
 
-from ...errors import MinferError
-from .f16 import cast_f16
-from .launch import (NULL, DevicePos, MAX_GRID_1D, THREADS_1D, blocks_1d, check, check_rows, cp, device_cc,
-                     kernel, or_null, out_array, pos_args, pos_value, scratch_view)
-from .nvrtc import ARCH_SPECIFIC, K
+from ....errors import MinferError
+from ..launch import (NULL, MAX_GRID_1D, THREADS_1D, blocks_1d, check, check_rows, cp, kernel, or_null,
+                      out_array, pos_args, pos_value)
+from ..nvrtc import K
+from .attention import _check_heads
+
 
 FA_HD = K["FA_HD"]
 DEC_MAX_G = K["DEC_MAX_G"]                  # query heads per KV head that decode_attention takes
@@ -37,39 +28,6 @@ DEC_SHORT_KEYS = K["DEC_SHORT_SPLITS"] * K["DEC_CHUNK"]   # below this position:
 # attn_decode_short's shared memory: per split, its warps' (m, l, accumulators) and its partial
 _DEC_SHORT_SMEM = 4 * K["DEC_SHORT_SPLITS"] * DEC_MAX_G * (K["DEC_WARPS"] + 1) * (FA_HD + 2)
 _SCALE_LOG2 = math.log2(math.e) / math.sqrt(FA_HD)   # scores in the log2 domain (exp2f)
-F32_HEAD_DIMS = (64, 128)                   # the instantiations of attention.cu
-_F32_INSTANCES = tuple(f"attention_f32<{hd}>" for hd in F32_HEAD_DIMS)
-
-
-def _check_heads(n_head: int, n_kv: int, T: int, pos0: int, n_ctx: int, what: str) -> None:
-    if n_kv < 1 or n_head % n_kv:
-        raise ValueError(f"{what}: {n_head} query heads do not group over {n_kv} KV heads")
-    if pos0 < 0 or pos0 + T > n_ctx:
-        raise MinferError(f"positions {pos0}..{pos0 + T - 1} do not fit the KV cache of {n_ctx}")
-
-
-def attention_f32(q, k, v, k_cache, v_cache, pos0: int, out=None):
-    """q (T, n_head, hd), k/v (T, n_kv, hd) f32; k_cache/v_cache: one layer's
-    (n_ctx, n_kv, hd) f32. Stores k/v at pos0..pos0+T-1, then attention -> (T, n_head*hd)."""
-    check(q, "attention q", cp.float32, ndim=3, align16=True)
-    T, n_head, hd = q.shape
-    if hd not in F32_HEAD_DIMS:
-        raise ValueError(f"attention: head dim {hd} not in {F32_HEAD_DIMS}")
-    check(k_cache, "attention k_cache", cp.float32, ndim=3, align16=True)
-    n_ctx, n_kv, _ = k_cache.shape
-    check(v_cache, "attention v_cache", cp.float32, (n_ctx, n_kv, hd), align16=True)
-    check(k, "attention k", cp.float32, (T, n_kv, hd))
-    check(v, "attention v", cp.float32, (T, n_kv, hd))
-    _check_heads(n_head, n_kv, T, pos0, n_ctx, "attention")
-    y = out_array(out, (T, n_head * hd), "attention out", align16=True)     # (T, n_head*hd)
-    k_cache[pos0:pos0 + T] = k                                               # (T, n_kv, hd)
-    v_cache[pos0:pos0 + T] = v
-    if T:
-        kernel("attention.cu", f"attention_f32<{hd}>", _F32_INSTANCES)(
-            (blocks_1d(T, K["ATT_BQ"]), n_head), (32 * K["ATT_WARPS"],),
-            (q, k_cache, v_cache, y, np.int32(T), np.int32(n_head), np.int32(n_kv),
-             np.int32(pos0), np.float32(1.0 / math.sqrt(hd))))
-    return y
 
 
 def store_kv_f16(k, v, k_cache, v_cache, pos) -> None:
@@ -90,52 +48,6 @@ def store_kv_f16(k, v, k_cache, v_cache, pos) -> None:
         kernel("decode_attn.cu", "store_kv_f16")((min(blocks_1d(n4), MAX_GRID_1D),), (THREADS_1D,),
                                                  (k, v, k_cache, v_cache, np.int64(n4), np.int32(row),
                                                   *pos_args(pos)))
-
-
-def flash_kind(wgmma: bool = True) -> str:
-    """Which prefill flash kernel runs on the current device: "wgmma"
-    (flash_attn_sm90.cu) when asked for and the GPU is the one its target is
-    for, else "mma" (flash_attn.cu, any GPU with f16 tensor cores)."""
-    return "wgmma" if wgmma and device_cc() == ARCH_SPECIFIC["flash_attn_sm90.cu"][1] else "mma"
-
-
-def flash_attention(q16, k_cache, v_cache, pos0: int, out=None, wgmma: bool = True):
-    """q16 (T, n_head, 128) f16; k_cache, v_cache (n_ctx, n_kv, 128) f16 holding
-    positions 0..pos0+T-1 -> out (T, n_head*128) f32, or f16 when out is an f16
-    array (the f32 values rounded to nearest even, as cast_f16 rounds them).
-    wgmma=False keeps a Hopper GPU on the mma.sync kernel (flash_kind)."""
-    check(q16, "flash_attention q16", cp.float16, ndim=3, align16=True)
-    T, n_head, hd = q16.shape
-    if hd != FA_HD:
-        raise ValueError(f"flash_attention: q16 has shape {q16.shape}, expected (T, n_head, {FA_HD})")
-    check(k_cache, "flash_attention k_cache", cp.float16, ndim=3, align16=True)
-    if k_cache.shape[2] != FA_HD:
-        raise ValueError(f"flash_attention: cache shape {k_cache.shape}, expected (n_ctx, n_kv, {FA_HD})")
-    check(v_cache, "flash_attention v_cache", cp.float16, k_cache.shape, align16=True)
-    n_ctx, n_kv, _ = k_cache.shape
-    _check_heads(n_head, n_kv, T, pos0, n_ctx, "flash_attention")
-    half = out is not None and out.dtype == cp.float16
-    out = out_array(out, (T, n_head * FA_HD), "flash_attention out", cp.float16 if half else None,
-                    align16=True)
-    if T:
-        fn, threads, smem = _flash_kernel(cp.cuda.Device().id, flash_kind(wgmma))
-        fn((blocks_1d(T * (n_head // n_kv), K["FA_BQ"]), n_kv), (threads,),
-           (q16, k_cache, v_cache, NULL if half else out, out if half else NULL, np.int32(T),
-            np.int32(n_head), np.int32(n_kv), np.int32(pos0), np.float32(_SCALE_LOG2)),
-           shared_mem=smem)
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _flash_kernel(device_id: int, kind: str):
-    """(kernel, threads, dynamic shared bytes) of a flash kind, opted in (once per
-    device) to its > 48 KB of dynamic shared memory."""
-    if kind == "wgmma":
-        fn, threads, smem = kernel("flash_attn_sm90.cu", "flash_attn_f16_sm90"), 128 * K["FA90_WG"], K["FA90_SMEM"]
-    else:
-        fn, threads, smem = kernel("flash_attn.cu", "flash_attn_f16"), 32 * K["FA_WARPS"], K["FA_SMEM"]
-    fn.fn.max_dynamic_shared_size_bytes = smem
-    return fn, threads, smem
 
 
 def decode_short(pos: int) -> bool:
@@ -227,7 +139,7 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
     wider (T, n) matrix (each token's heads packed, its rows further apart; k and v
     the same row stride). biases: the q/k/v projections' biases (n_head*hd,),
     (n_kv*hd,), (n_kv*hd,) or None, added first. The values of the bias adds,
-    ops.rope (q and k), store_kv_f16 and cast_f16, bit for bit, in one launch.
+    rope.py's rope (q and k), store_kv_f16 and cast_f16, bit for bit, in one launch.
     hd a multiple of 8 and every row 16-byte aligned (the kernel moves 16-byte vectors)."""
     if getattr(q, "ndim", 0) != 3:
         raise ValueError(f"rope_store_kv_f16 q: expected (T, n_head, hd), got {getattr(q, 'shape', q)}")
@@ -262,23 +174,3 @@ def rope_store_kv_f16(q, k, v, k_cache, v_cache, cos_sin, pos, neox: bool, q_out
              k_cache, v_cache, cos_sin, np.int32(T), np.int32(n_head), np.int32(n_kv),
              np.int32(hd), np.int64(ldq), np.int64(ldkv), *pos_args(pos), np.int32(bool(neox))))
     return q_out
-
-
-def attend_f16(q, k_cache, v_cache, pos, out=None, q16=None, wgmma: bool = True):
-    """q (T, n_head, 128) f32 over one layer's f16 caches holding positions
-    0..pos+T-1 -> (T, n_head*128) f32. One row (decode) reads q in f32
-    (decode_attention; pos may be a launch.DevicePos); longer prompts round q into
-    the f16 scratch q16 (>= T*n_head*128) for the tensor-core flash_attention."""
-    if q.shape[0] == 1:
-        return decode_attention(q, k_cache, v_cache, pos, out)
-    if isinstance(pos, DevicePos):
-        raise ValueError("attend_f16: a device position is for one-row (decode) steps")
-    qh = cast_f16(q, scratch_view(q16, q.shape, "attend_f16 q16", cp.float16))   # (T, n_head, 128)
-    return flash_attention(qh, k_cache, v_cache, pos, out, wgmma)
-
-
-def attention_f16(q, k, v, k_cache, v_cache, pos, out=None, q16=None, wgmma: bool = True):
-    """q (T, n_head, 128), k/v (T, n_kv, 128) f32: stores k/v into the f16 caches at
-    pos.., then attend_f16 -> (T, n_head*128) f32."""
-    store_kv_f16(k, v, k_cache, v_cache, pos)
-    return attend_f16(q, k_cache, v_cache, pos, out, q16, wgmma)

@@ -1,0 +1,122 @@
+"""The CUDA backend's pure decisions: which path each matrix product takes, and which
+gate/up + SwiGLU kernel a prompt's FFN runs. Same arguments, same answer; no
+device work, no state. Every other file asks these functions, none decides again.
+
+Each rule says why in one line and names the script that re-measures it
+(docs/DESIGN.md section 5 has the table with the figures behind it).
+
+    f32 weight                 -> cupy matmul in f32                     counter f32_gemm
+    T == 1 (decode)            -> x to q8_1, then the matvec             q4k_mv / q6k_mv ...
+    q4_K / q6_K, and T < f16_min_t or a table (the LM head over many positions)
+                               -> int8 MMQ on q8_1 activations           q4k_mmq / q6k_mmq
+    otherwise                  -> the f16 engine: W dequantized into an   q4k_f16 / q6k_f16 /
+                                  f16 scratch (q6_K: from its W_exp plane  q4_0_f16 ...
+                                  when it has one), one cuBLAS GEMM, f32
+                                  accumulation; with settings.f16_weights
+                                  the f16 copy kept since load instead
+
+A q6_K product on the f16 or MMQ engine also names where its B operand comes from
+(GemmPath.b_source, the W_exp bundle's liveness labels): `q6k exp` (the plane: the
+fast path), `q6k exp=off` (planes deliberately off), `q6k fallback!` (a plane was
+expected and is missing), `q6k raw` (a q6_K tensor the bundle does not cover),
+`q6k f16 kept` (the f16 copy of settings.f16_weights).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGMLQuantizationType as QT
+
+from ...errors import MinferError
+from .kernels import gateup_sm90
+from .kernels.mmq import MMQ_TYPES
+from .settings import CudaSettings
+from .weights import GpuWeight
+
+# the counter prefix of each weight type the CUDA backend multiplies
+PREFIX = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q5_0: "q5_0",
+          QT.Q5_1: "q5_1", QT.Q8_0: "q8_0", QT.Q5_K: "q5k"}
+B_SOURCES = ("q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw", "q6k f16 kept")
+# every path label gemm_path can give, for the counters' table
+PATH_LABELS = (tuple(f"{p}_{e}" for t, p in PREFIX.items()
+                     for e in (("mmq", "f16", "mv") if t in MMQ_TYPES else ("f16", "mv")))
+               + ("f32_gemm",) + B_SOURCES)
+
+
+@dataclass(frozen=True)
+class GemmPath:
+    engine: str                 # "f32", "matvec", "f16" or "mmq"
+    counter: str                # the path's label: prefix_engine
+    b_source: str | None        # q6_K on f16/mmq: one of B_SOURCES
+
+    @property
+    def reads_plane(self) -> bool:
+        return self.b_source == "q6k exp"
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return (self.counter,) if self.b_source is None else (self.counter, self.b_source)
+
+
+def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
+              has_f16: bool = False) -> GemmPath:
+    """The path of x (T, n_in) @ w^T, from the token count, the weight (type, table or
+    not, covered by the W_exp bundle or not), the settings, whether a plane is
+    registered for it and whether an f16 copy is kept."""
+    if w.qtype == QT.F32:
+        return GemmPath("f32", "f32_gemm", None)
+    if w.qtype not in PREFIX:
+        raise MinferError(f"linear {w.name}: {w.qtype.name} weights are not supported by "
+                          f"the CUDA backend ({', '.join(t.name for t in PREFIX)}, F32)")
+    prefix = PREFIX[w.qtype]
+    # one row: the matvec streams the weight once at the copy bandwidth, no GEMM wins
+    if T == 1:
+        return GemmPath("matvec", f"{prefix}_mv", None)
+    # short prompts and the LM head over many positions (a table): the int8 MMQ reads
+    # the blocks as stored, where a dequantization would cost more than the GEMM saves
+    # (settings.F16_GEMM_MIN_T; scripts/bench/gemm_paths.py re-measures it)
+    mmq = w.qtype in MMQ_TYPES and (T < settings.f16_min_t or w.table)
+    engine = "mmq" if mmq else "f16"
+    source = None
+    if w.qtype == QT.Q6_K:
+        if engine == "f16" and has_f16:
+            source = "q6k f16 kept"
+        elif not w.plane_tensor:
+            source = "q6k raw"
+        elif not settings.use_planes:
+            source = "q6k exp=off"
+        else:
+            source = "q6k exp" if has_plane else "q6k fallback!"
+    return GemmPath(engine, f"{prefix}_{engine}", source)
+
+
+# Which gate/up + SwiGLU kernel a prompt's FFN runs, by its length: inclusive token
+# ranges (hi None: no end) -> "q4k" (gateup_swiglu_q4k: reads the q4_K blocks and
+# converts them in registers) or "f16" (gateup_swiglu_f16: reads them dequantized to
+# f16, and dequantizes the next layer's pair meanwhile). Lengths outside every range
+# run the chain (dequantization, cuBLAS, swiglu_f16): the same bits each way.
+# Re-measured on the 7B twin by scripts/bench/ab.py (--a gateup_fused=1 --b
+# gateup_fused=0 at each length; the H200's figures are in docs/DESIGN.md section 5).
+GATEUP_KERNELS = (
+    # the q4_K kernel's blocks take 256 tokens and convert their weight rows once a
+    # block, so its cost steps with ceil(T / 256): it wins where the last block row
+    # is nearly full and there are few rows (+8-12% at 192-256 tokens, level at 128)
+    ((128, 256), "q4k"),
+    # the same step rule: +2-5% at 448-512 tokens, -9% at 384 (a half-empty row)
+    ((448, 512), "q4k"),
+    # from ~1k tokens on the next pair's dequantization hides under the products
+    # (+3-8% from 1,280 to 3,325; level at 1,024, where it is a large share)
+    ((1024, None), "f16"),
+)
+
+
+def gateup_kernel(T: int, gate: GpuWeight, up: GpuWeight, settings: CudaSettings, has_f16: bool,
+                  cc: tuple[int, int]) -> str | None:
+    """The gate/up + SwiGLU kernel of the f16-engine FFN of T tokens ("q4k", "f16"), or
+    None for the chain: None when the kernels are turned off, outside GATEUP_KERNELS,
+    with kept f16 copies (nothing to dequantize), or for weights or a GPU the kernels
+    do not fit."""
+    if not (settings.gateup_fused and not has_f16 and gate.n_out == up.n_out and gate.n_in == up.n_in
+            and gateup_sm90.fits((gate.qtype, up.qtype), gate.n_out, gate.n_in, cc)):
+        return None
+    return next((kind for (lo, hi), kind in GATEUP_KERNELS if lo <= T and (hi is None or T <= hi)), None)
