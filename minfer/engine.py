@@ -86,7 +86,7 @@ class Engine:
 
     @classmethod
     def load(cls, path=None, backend: str = "auto", n_ctx: int | None = None,
-             progress: bool = True) -> "Engine":
+             progress: bool = True, settings: dict | None = None) -> "Engine":
         """Open, check and load a GGUF model.
 
         path: the GGUF file (None: the default model, pulled if not cached).
@@ -94,15 +94,18 @@ class Engine:
         n_ctx: the context in tokens (default: min(training context, 4096)).
         progress: report on stderr: the backend "auto" chose (one line) and, on a
         terminal, a progress bar while the weights load.
+        settings: CUDA backend settings by field name (minfer/backend/cuda/settings.py),
+        over the environment's: for tests and benchmarks.
         """
         if path is None:
             from .pull import ensure_model
             path = ensure_model(progress=progress)
-        return cls.from_file(ModelFile.open(path, n_ctx), backend, progress)
+        return cls.from_file(ModelFile.open(path, n_ctx), backend, progress, settings)
 
     @classmethod
-    def from_file(cls, mf: ModelFile, backend: str = "auto", progress: bool = True) -> "Engine":
-        be = get_backend(backend, mf.cfg, announce=progress)
+    def from_file(cls, mf: ModelFile, backend: str = "auto", progress: bool = True,
+                  settings: dict | None = None) -> "Engine":
+        be = get_backend(backend, mf.cfg, announce=progress, settings=settings)
         with be.guard("loading the weights"):
             weights = load_weights(mf.gf, mf.cfg, be, progress=progress)
         # Backends copy what they need at load, so the mapping can go: a file

@@ -48,6 +48,11 @@ class Backend(ABC):
         self.rope_factors = factors
 
     # --- weights and state -------------------------------------------------
+    def prepare(self, weights) -> None:
+        """Called once with the model's loaded weights (graph/weights.py's Weights),
+        before any forward: a backend may plan across layers (the CUDA backend learns
+        which layer follows which, for its prefetch)."""
+
     @abstractmethod
     def load_weight(self, name: str, info, raw: np.ndarray) -> Any:
         """Register one GGUF tensor. raw: uint8 (rows, row_bytes) host view of the
@@ -85,25 +90,26 @@ class Backend(ABC):
         """linears of rmsnorm(x) * norm_w (the attention's q/k/v, the LM head)"""
         return self.linears(self.rmsnorm(x, norm_w, eps), ws, biases)
 
-    def ffn(self, x, norm_w, eps: float, gate, up, down, ahead=None) -> Any:
-        """The SwiGLU feed-forward sub-block with its residual: x (T, d) ->
-        x + down(silu(gate h) * (up h)), h = rmsnorm(x) * norm_w (T, d); a backend may
-        fuse it or keep the (T, d_ff) intermediates in lower precision. x is consumed,
-        as linear's residual. ahead: the next layer's (gate, up), or None: a hint a
-        backend may use to prepare them while this one runs (values never change)."""
-        h = self.rmsnorm(x, norm_w, eps)
-        return self.linear(self.swiglu(*self.linears(h, (gate, up), (None, None))), down, residual=x)
+    def ffn(self, x, L) -> Any:
+        """The SwiGLU feed-forward sub-block of layer L (graph/weights.py's LayerWeights)
+        with its residual: x (T, d) -> x + down(silu(gate h) * (up h)), h = rmsnorm(x) *
+        ffn_norm (T, d); a backend may fuse it or keep the (T, d_ff) intermediates in
+        lower precision. x is consumed, as linear's residual."""
+        h = self.rmsnorm(x, L.ffn_norm, self.cfg.rms_eps)
+        return self.linear(self.swiglu(*self.linears(h, (L.ffn_gate, L.ffn_up), (None, None))), L.ffn_down,
+                           residual=x)
 
-    def attention_block(self, x, norm_w, eps: float, wq, wk, wv, biases, wo, cache, layer: int,
-                        pos0) -> Any:
-        """The attention sub-block with its residual: x (T, d) -> x + o(a), a the
-        attention (rope_attention) of q, k, v = the linears of rmsnorm(x) * norm_w with
-        their biases (each None or (n_out,)). x is consumed, as linear's residual."""
+    def attention_block(self, x, L, cache, layer: int, pos0) -> Any:
+        """The attention sub-block of layer L with its residual: x (T, d) -> x + o(a), a
+        the attention (rope_attention) of q, k, v = the linears of rmsnorm(x) *
+        attn_norm with their biases (each None or (n_out,)). x is consumed, as
+        linear's residual."""
         cfg, T = self.cfg, x.shape[0]
-        q, k, v = self.norm_linears(x, norm_w, eps, (wq, wk, wv), biases)
+        q, k, v = self.norm_linears(x, L.attn_norm, cfg.rms_eps, (L.attn_q, L.attn_k, L.attn_v),
+                                    (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias))
         a = self.rope_attention(q.reshape(T, cfg.n_head, cfg.head_dim), k.reshape(T, cfg.n_head_kv, cfg.head_dim),
                                 v.reshape(T, cfg.n_head_kv, cfg.head_dim), cache, layer, pos0)
-        return self.linear(a, wo, residual=x)                                # (T, n_head*hd) -> (T, d)
+        return self.linear(a, L.attn_output, residual=x)                     # (T, n_head*hd) -> (T, d)
 
     def rope_attention(self, q, k, v, cache, layer: int, pos0: int) -> Any:
         """attention of q and k rotated by RoPE at positions pos0.. (see rope, attention)"""

@@ -19,18 +19,14 @@ available at start: the 7B needs ~30 GB), every quantized weight stays
 quantized and `linear` dequantizes it on each call instead: the same numbers
 (the same dequantizer, the same matmul), slower; one line on stderr says so.
 
-`MINFER_CPU_MATH=ggml` trades the float32 reference for llama.cpp's own CPU
-arithmetic (ggml_cpu.py: 8-bit activations, f16 attention, its order of sums), so
-that a greedy stream follows llama.cpp's CPU build through near-ties. Weights stay
-quantized; only the types ggml_cpu reproduces are accepted.
+`MINFER_CPU_MATH=ggml` selects another backend class instead, which trades the
+float32 reference for llama.cpp's own CPU arithmetic (ggml_cpu.py).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -38,18 +34,8 @@ from gguf import GGMLQuantizationType
 from .. import quants, rope
 from ..config import ModelConfig
 from ..errors import MinferError
-from . import ggml_cpu
 from .base import Backend
-
-MATH = ("f32", "ggml")             # MINFER_CPU_MATH: the float32 reference, or llama.cpp's CPU arithmetic
-
-
-def math_setting(environ=None) -> str:
-    """MINFER_CPU_MATH (default f32) -> one of MATH; anything else is a one-line error."""
-    value = (os.environ if environ is None else environ).get("MINFER_CPU_MATH", "f32").strip().lower() or "f32"
-    if value not in MATH:
-        raise MinferError(f"MINFER_CPU_MATH={value!r}: expected one of {', '.join(MATH)}")
-    return value
+from .host_memory import available_bytes
 
 
 class QuantTable:
@@ -62,13 +48,6 @@ class QuantTable:
         self.qtype = qtype
         self.shape = shape                 # (rows, cols) in float32 terms
         self._dense: np.ndarray | None = None
-        self._blocks = None
-
-    def ggml_blocks(self):
-        """The blocks decoded for ggml_cpu.matmul (kept after the first call)."""
-        if self._blocks is None:
-            self._blocks = ggml_cpu.weight_blocks(self.raw, self.qtype, *self.shape)
-        return self._blocks
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
         """idx int (T,) -> float32 (T, cols)"""
@@ -102,66 +81,12 @@ def f32_weight_bytes(cfg: ModelConfig) -> int:
     return 4 * (cfg.n_layer * per_layer + cfg.vocab_size * d)
 
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-# (limit, usage) files of a memory cgroup: v2, then v1; the process sees its own
-# cgroup at the root of the hierarchy inside a container
-_CGROUP_FILES = (("memory.max", "memory.current", "memory.stat"),
-                 ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat"))
-_NO_LIMIT = 1 << 60          # v1 writes "no limit" as a page-rounded 2^63 - 1
-
-
-def cgroup_room(root: Path = CGROUP_ROOT) -> int | None:
-    """Bytes the memory cgroup still lets this process take: its limit minus what it
-    uses that cannot be reclaimed (usage less the inactive file cache, as `docker
-    stats` counts it); None without a cgroup or without a limit."""
-    for limit_f, usage_f, stat_f in _CGROUP_FILES:
-        try:
-            limit = (root / limit_f).read_text().strip()
-            usage = int((root / usage_f).read_text())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= _NO_LIMIT:
-            return None
-        inactive = 0
-        try:
-            for line in (root / stat_f).read_text().splitlines():
-                k, _, v = line.partition(" ")
-                if k in ("inactive_file", "total_inactive_file"):
-                    inactive = max(inactive, int(v))
-        except (OSError, ValueError):
-            pass
-        return max(0, int(limit) - max(0, usage - inactive))
-    return None
-
-
-def meminfo_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes; None where the file does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def available_bytes() -> int | None:
-    """What this process may still allocate: MemAvailable of /proc/meminfo, or less
-    where a memory cgroup (a container's limit) leaves less; None where neither says."""
-    have = meminfo_available()
-    room = cgroup_room()
-    return room if have is None else have if room is None else min(have, room)
-
-
 class CPUBackend(Backend):
     name = "cpu"
+    math = "f32"                            # MINFER_CPU_MATH's name for this arithmetic
 
-    def __init__(self, cfg: ModelConfig, keep_quantized: bool | None = None, math: str | None = None):
+    def __init__(self, cfg: ModelConfig, keep_quantized: bool | None = None):
         super().__init__(cfg)
-        self.math = math_setting() if math is None else math_setting({"MINFER_CPU_MATH": math})
-        if self.math == "ggml":
-            keep_quantized = True           # the dot products read the quantized blocks
         if keep_quantized is None:          # decided once, from the model's size and this machine
             need, have = f32_weight_bytes(cfg), available_bytes()
             keep_quantized = have is not None and need > FIT_FRACTION * have
@@ -181,10 +106,6 @@ class CPUBackend(Backend):
             return quants.dequantize_rows(raw, qtype, info.shape[0]).reshape(info.shape[0])  # (n,)
         if len(info.shape) != 2:
             raise MinferError(f"tensor {name}: expected 1 or 2 dimensions, got shape {info.shape}")
-        if self.math == "ggml" and qtype not in ggml_cpu.TYPES:
-            raise MinferError(f"tensor {name}: MINFER_CPU_MATH=ggml reproduces llama.cpp's arithmetic for "
-                              f"{', '.join(t.name for t in ggml_cpu.TYPES)} weights, not {qtype.name}; "
-                              f"unset it for the float32 reference")
         if name == "token_embd.weight" or (self.keep_quantized and qtype != GGMLQuantizationType.F32):
             return QuantTable(raw, qtype, tuple(info.shape))                  # (rows, cols) quantized
         return quants.dequantize_rows(raw, qtype, info.shape[1])              # (n_out, n_in) f32
@@ -228,19 +149,14 @@ class CPUBackend(Backend):
 
     def rmsnorm(self, x, w, eps):
         """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w"""
-        if self.math == "ggml":
-            return ggml_cpu.rmsnorm(x, eps) * w
         ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True)     # (T, 1) f64, as ggml
         return (x * (1.0 / np.sqrt(ms + eps)).astype(np.float32)) * w
 
     def linear(self, x, w, bias=None, residual=None):
         """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] [residual + ] -> (T, n_out)"""
-        if self.math == "ggml":
-            y = ggml_cpu.matmul(x, w.ggml_blocks())
-        else:
-            if isinstance(w, QuantTable):   # tied LM head, or weights kept quantized
-                w = w.dense(keep=not self.keep_quantized)
-            y = x @ w.T
+        if isinstance(w, QuantTable):       # tied LM head, or weights kept quantized
+            w = w.dense(keep=not self.keep_quantized)
+        y = x @ w.T
         if bias is not None:
             y += bias
         return y if residual is None else residual + y
@@ -255,13 +171,14 @@ class CPUBackend(Backend):
         """cos, sin of pos * theta_i for pos < n_pos: (n_pos, hd/2) float32, grown on demand."""
         if self._cos.shape[0] < n_pos:
             n = max(n_pos, 2 * self._cos.shape[0])
-            if self.math == "ggml":
-                angle = ggml_cpu.rope_angles(n, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
-            else:
-                angle = rope.angles(n, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)  # (n, hd/2)
+            angle = self.rope_angles(n)                                                   # (n, hd/2)
             angle = np.asarray(angle, np.float64)       # cos, sin rounded once to f32 (as cosf, sinf)
             self._cos, self._sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
         return self._cos[:n_pos], self._sin[:n_pos]
+
+    def rope_angles(self, n_pos: int) -> np.ndarray:
+        """RoPE's angles pos * theta_i for pos < n_pos (minfer/rope.py) -> (n_pos, hd/2)"""
+        return rope.angles(n_pos, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
 
     def rope(self, x, pos0):
         """x (T, n_heads, hd) at positions pos0.. -> rotated (T, n_heads, hd)"""
@@ -282,10 +199,6 @@ class CPUBackend(Backend):
         cfg = self.cfg
         T, _, hd = q.shape
         S = pos0 + T                                          # keys visible to the last query
-        if self.math == "ggml":             # an f16 cache, as llama.cpp's
-            cache.k[layer, pos0:S] = k.astype(np.float16)
-            cache.v[layer, pos0:S] = v.astype(np.float16)
-            return ggml_cpu.flash_attention(q, cache.k[layer], cache.v[layer], pos0, cfg.n_rep)
         cache.k[layer, pos0:S] = k
         cache.v[layer, pos0:S] = v
         # query t (position pos0+t) sees keys 0..pos0+t

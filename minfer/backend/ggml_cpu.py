@@ -1,5 +1,5 @@
-"""llama.cpp's CPU arithmetic (ggml-cpu's AVX2 kernels), reproduced in NumPy: the CPU
-backend's `MINFER_CPU_MATH=ggml`.
+"""llama.cpp's CPU arithmetic (ggml-cpu's AVX2 kernels), reproduced in NumPy, and the
+backend that computes with it (GgmlCPUBackend: `MINFER_CPU_MATH=ggml`).
 
 The default CPU backend computes in float32 from dequantized weights. llama.cpp's
 CPU build does not: it rounds each matmul's activations to 8 bits per block of 32
@@ -36,6 +36,9 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
+
+from ..errors import MinferError
+from .cpu import CPUBackend, QuantTable
 
 F32, F16 = np.float32, np.float16
 TYPES = (QT.Q4_1, QT.Q8_0)              # weight types whose dot products are reproduced
@@ -179,3 +182,44 @@ def flash_attention(q, k_cache, v_cache, pos0: int, n_rep: int) -> np.ndarray:
         V = np.where(see[..., None], fma(vj[None], vs[..., None], V).astype(F16).astype(F32), V)
         S = np.where(see, fma(S, ms, vs), S)
     return (V * (F32(1) / S)[..., None]).astype(F32).reshape(T, H * hd)
+
+
+class GgmlCPUBackend(CPUBackend):
+    """The CPU backend with llama.cpp's arithmetic in place of the float32 reference:
+    8-bit activations beside the quantized weights (kept quantized), its RMSNorm and
+    RoPE angles, an f16 KV cache and its flash attention, so that a greedy stream
+    follows llama.cpp's CPU build through near-ties."""
+    math = "ggml"
+
+    def __init__(self, cfg):
+        super().__init__(cfg, keep_quantized=True)     # the dot products read the quantized blocks
+        self._blocks: dict[int, tuple] = {}            # id(QuantTable) -> weight_blocks (decoded once)
+
+    def load_weight(self, name, info, raw):
+        qtype = QT(info.qtype)
+        if len(info.shape) == 2 and qtype not in TYPES:
+            raise MinferError(f"tensor {name}: MINFER_CPU_MATH=ggml reproduces llama.cpp's arithmetic for "
+                              f"{', '.join(t.name for t in TYPES)} weights, not {qtype.name}; "
+                              f"unset it for the float32 reference")
+        return super().load_weight(name, info, raw)
+
+    def rmsnorm(self, x, w, eps):
+        return rmsnorm(x, eps) * w
+
+    def linear(self, x, w: QuantTable, bias=None, residual=None):
+        blocks = self._blocks.get(id(w))
+        if blocks is None:
+            blocks = self._blocks[id(w)] = weight_blocks(w.raw, w.qtype, *w.shape)
+        y = matmul(x, blocks)
+        if bias is not None:
+            y += bias
+        return y if residual is None else residual + y
+
+    def rope_angles(self, n_pos: int) -> np.ndarray:
+        return rope_angles(n_pos, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
+
+    def attention(self, q, k, v, cache, layer, pos0):
+        S = pos0 + q.shape[0]
+        cache.k[layer, pos0:S] = k.astype(np.float16)      # an f16 cache, as llama.cpp's
+        cache.v[layer, pos0:S] = v.astype(np.float16)
+        return flash_attention(q, cache.k[layer], cache.v[layer], pos0, self.cfg.n_rep)

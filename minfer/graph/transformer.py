@@ -14,6 +14,7 @@ from .weights import Weights
 class Transformer:
     def __init__(self, cfg: ModelConfig, backend, weights: Weights):
         self.cfg, self.be, self.w = cfg, backend, weights
+        backend.prepare(weights)
 
     def forward(self, tokens: np.ndarray, pos0: int, cache, logits_from: int | None = None) -> np.ndarray:
         """tokens int32 (T,) at positions pos0.. -> logits float32 (T - logits_from, vocab).
@@ -42,14 +43,10 @@ class Transformer:
         """The decoder layers: x (T, d) at positions pos0.. -> (T, d); fills the cache.
         pos0 is an int, or in a decode step whatever position the backend's decode
         hands its step (a position held in device memory on the GPU)."""
-        cfg, be, layers = self.cfg, self.be, self.w.layers
-        for i, L in enumerate(layers):
-            x = be.attention_block(x, L.attn_norm, cfg.rms_eps, L.attn_q, L.attn_k, L.attn_v,
-                                   (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias), L.attn_output,
-                                   cache, i, pos0)                                   # x + o(attn)
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
-            x = be.ffn(x, L.ffn_norm, cfg.rms_eps, L.ffn_gate, L.ffn_up, L.ffn_down,
-                       ahead=None if nxt is None else (nxt.ffn_gate, nxt.ffn_up))    # x + SwiGLU
+        be = self.be
+        for i, L in enumerate(self.w.layers):
+            x = be.attention_block(x, L, cache, i, pos0)                     # x + o(attn)
+            x = be.ffn(x, L)                                                 # x + SwiGLU
         return x
 
     def prefill(self, tokens, cache) -> np.ndarray:
