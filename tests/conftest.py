@@ -242,18 +242,42 @@ def decisive():
 
 # --- the CUDA backend's weights and linears without a model ---------------------------------
 
+class CudaParts:
+    """The CUDA backend's weight store, run state, counters, linears and FFN, composed as
+    CUDABackend composes them, without a model: `settings` is the one settings object
+    (tests replace it), the environment is not read."""
+
+    def __init__(self, settings, eps: float = 1e-6):
+        from minfer.backend.cuda.counters import Counters
+        from minfer.backend.cuda.ffn import FFN
+        from minfer.backend.cuda.linears import Linears
+        from minfer.backend.cuda.state import RunState
+        from minfer.backend.cuda.weights import WeightStore
+        self.settings = settings
+        get = lambda: self.settings        # noqa: E731
+        self.store = WeightStore(get)
+        self.state = RunState(lambda: self.store.f16_elems)
+        self.counters = Counters()
+        self.lin = Linears(self.store, self.state, self.counters, get)
+        self.ffn = FFN(self.lin, self.state, self.counters, get, eps)
+
+    @staticmethod
+    def layer(gate, up, down, norm=None):
+        """A layer's FFN weights as FFN reads them (graph/weights.py's LayerWeights)."""
+        from types import SimpleNamespace
+        return SimpleNamespace(ffn_gate=gate, ffn_up=up, ffn_down=down, ffn_norm=norm)
+
+
 @pytest.fixture()
 def cuda_linears(monkeypatch):
-    """Factory: (**settings) -> (WeightStore, Gemms) of the CUDA backend with the
-    default CudaSettings changed by **settings (the environment is not read), and
-    the once-per-process plane-miss warning re-armed."""
+    """Factory: (**settings) -> (WeightStore, CudaParts) of the CUDA backend with the
+    default CudaSettings changed by **settings, and the once-per-process plane-miss
+    warning re-armed."""
     from minfer.backend.cuda import weights
-    from minfer.backend.cuda.gemm import Gemms
     from minfer.backend.cuda.settings import CudaSettings
     monkeypatch.setattr(weights, "_warned_miss", False)
 
     def make(**changes):
-        settings = CudaSettings(**changes)
-        store = weights.WeightStore(settings)
-        return store, Gemms(store, settings)
+        parts = CudaParts(CudaSettings(**changes))
+        return parts.store, parts
     return make

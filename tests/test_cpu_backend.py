@@ -252,11 +252,11 @@ def test_cgroup_room(tmp_path, files, room):
     """A container's memory limit (cgroup v2 or v1) bounds what the CPU backend
     counts as available, so a too-large load is refused with one line instead of
     being killed by the kernel."""
-    from minfer.backend import cpu
+    from minfer.backend import host_memory
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert cpu.cgroup_room(tmp_path) == room
+    assert host_memory.cgroup_room(tmp_path) == room
 
 
 @pytest.mark.parametrize("have, room, want", [(8 << 30, None, 8 << 30), (8 << 30, 4 << 30, 4 << 30),
@@ -264,15 +264,15 @@ def test_cgroup_room(tmp_path, files, room):
                                               (None, None, None)])
 def test_available_bytes_takes_the_smaller_of_meminfo_and_the_cgroup(monkeypatch, have, room, want):
     """Both sources fixed, so the test does not race the machine's own memory use."""
-    from minfer.backend import cpu
-    monkeypatch.setattr(cpu, "meminfo_available", lambda: have)
-    monkeypatch.setattr(cpu, "cgroup_room", lambda: room)
-    assert cpu.available_bytes() == want
+    from minfer.backend import host_memory
+    monkeypatch.setattr(host_memory, "meminfo_available", lambda: have)
+    monkeypatch.setattr(host_memory, "cgroup_room", lambda: room)
+    assert host_memory.available_bytes() == want
 
 
 def test_meminfo_available_reads_this_machine():
-    from minfer.backend import cpu
-    have = cpu.meminfo_available()
+    from minfer.backend import host_memory
+    have = host_memory.meminfo_available()
     assert have is None or have > 0
 
 

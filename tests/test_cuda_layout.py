@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from minfer.backend.cuda import cublas, dependent
-from minfer.backend.cuda.gemm import GATEUP_KERNELS, gateup_kernel, gemm_path
+from minfer.backend.cuda.paths import GATEUP_KERNELS, gateup_kernel, gemm_path
 from minfer.backend.cuda.settings import F16_GEMM_MIN_T, CudaSettings
 from minfer.backend.cuda.weights import GpuWeight, expected_plane_bytes, is_plane_tensor, plane_check
 
@@ -25,14 +25,15 @@ PLANES_7B = 14 * 512 * 3584 + 14 * 3584 * 18944 + 152064 * 3584
 
 
 def test_settings_from_env():
+    """The environment sets the user's four switches and nothing else: the A/B and
+    test fields keep their defaults whatever the environment says."""
     assert CudaSettings.from_env({}) == CudaSettings()
-    s = CudaSettings.from_env({"MINFER_MMQ_Q6K_EXP": "0", "MINFER_FFN_F16": "0",
-                               "MINFER_CUDA_GRAPHS": "0", "MINFER_MMQ_RAW_NB_DEBUG": "1",
-                               "MINFER_TEST_FORCE_EXP_MISS": "1", "MINFER_F16_WEIGHTS": "1",
+    s = CudaSettings.from_env({"MINFER_MMQ_Q6K_EXP": "0", "MINFER_CUDA_GRAPHS": "0",
+                               "MINFER_PRINT_LAUNCH_COUNTS": "1", "MINFER_F16_WEIGHTS": "1",
+                               "MINFER_FFN_F16": "0", "MINFER_TEST_FORCE_EXP_MISS": "1",
                                "MINFER_PDL": "0", "MINFER_FLASH_WGMMA": "0", "MINFER_GATEUP_FUSED": "0"})
-    assert (s.exp_planes, s.ffn_f16, s.graphs, s.report_counts, s.force_exp_miss, s.f16_weights,
-            s.dependent_launches, s.flash_wgmma, s.gateup_fused) == (False, False, False, True, True, True,
-                                                                     False, False, False)
+    assert (s.exp_planes, s.graphs, s.print_launch_counts, s.f16_weights) == (False, False, True, True)
+    assert s.replace(exp_planes=True, graphs=True, print_launch_counts=False, f16_weights=False) == CudaSettings()
     assert CudaSettings().dependent_launches and CudaSettings().flash_wgmma and CudaSettings().gateup_fused
     assert not CudaSettings().f16_weights
     assert not s.use_planes and CudaSettings().use_planes
@@ -40,6 +41,17 @@ def test_settings_from_env():
     hash(s)                                   # frozen: usable as a CUDA-graph cache key
     with pytest.raises(Exception):
         s.graphs = True
+
+
+def test_settings_replace_checks_names_and_types():
+    from minfer.errors import MinferError
+    assert CudaSettings().replace(f16_min_t=7, gateup_fused=False).f16_min_t == 7
+    with pytest.raises(MinferError, match="unknown CUDA setting 'gate_up'"):
+        CudaSettings().replace(gate_up=False)
+    with pytest.raises(MinferError, match="expected bool"):
+        CudaSettings().replace(graphs=0)
+    with pytest.raises(MinferError, match="expected int"):
+        CudaSettings().replace(f16_min_t=True)
 
 
 def _w(name, qtype, n_out=512, n_in=3584):
@@ -107,7 +119,7 @@ def test_gateup_kernel_decision(T, qtypes, d_ff, n_in, settings, has_f16, cc, wa
     (200, 8960, 114, (114, 166)),       # 140 tiles on 114 SMs: 26 -> 52
 ])
 def test_gateup_tiling(T, d_ff, n_sm, want):
-    from minfer.backend.cuda.gateup import tiling
+    from minfer.backend.cuda.kernels.gateup_sm90 import tiling
     assert tiling(T, d_ff, n_sm) == want
 
 
@@ -172,7 +184,7 @@ def test_gemm_path_of_a_kept_f16_weight():
 
 def test_rows_per_warp():
     """2 rows a warp only for split q6_K launches (the measured win), 4 otherwise."""
-    from minfer.backend.cuda.matvec import rows_per_warp
+    from minfer.backend.cuda.kernels.matvec import rows_per_warp
     assert rows_per_warp(QT.Q6_K, QT.Q6_K, 4) == 2
     assert rows_per_warp(QT.Q6_K, QT.Q6_K, 1) == 4                 # the LM head
     assert rows_per_warp(QT.Q4_K, QT.Q6_K, 4) == 4                 # q/k/v with a q6_K attn_v
@@ -276,12 +288,42 @@ def test_decode_short_limit_and_its_shared_memory():
     as sub-blocks of one block); the shared memory that launch asks for is the
     kernel's layout (per split: its warps' maxima, sums and accumulators, and its
     partial) and fits the H200's 227 KB a block."""
-    from minfer.backend.cuda import attention
+    from minfer.backend.cuda.kernels import decode_attn
     from minfer.backend.cuda.nvrtc import K
-    assert attention.DEC_SHORT_KEYS == K["DEC_SHORT_SPLITS"] * K["DEC_CHUNK"] == 256
-    assert attention.decode_short(0) and attention.decode_short(255)
-    assert not attention.decode_short(256) and not attention.decode_short(9000)
+    assert decode_attn.DEC_SHORT_KEYS == K["DEC_SHORT_SPLITS"] * K["DEC_CHUNK"] == 256
+    assert decode_attn.decode_short(0) and decode_attn.decode_short(255)
+    assert not decode_attn.decode_short(256) and not decode_attn.decode_short(9000)
     S, W, G, hd = K["DEC_SHORT_SPLITS"], K["DEC_WARPS"], K["DEC_MAX_G"], K["FA_HD"]
     floats = S * W * G * hd + S * W * G * 2 + S * G * (hd + 2)       # s_acc, s_ml, s_part
-    assert attention._DEC_SHORT_SMEM == 4 * floats <= 227 * 1024
+    assert decode_attn._DEC_SHORT_SMEM == 4 * floats <= 227 * 1024
     assert W * 32 == hd                                               # a sub-block's thread per dim
+
+
+def test_launcher_counts_by_kernel_name_and_replays_add_the_capture():
+    """The launcher counts every launch under its kernel's name; a backend's counters
+    report launches since its reset beside its path labels (zeros included); a
+    capture's counts are taken back and a replay adds them again (graphs.py)."""
+    from minfer.backend.cuda import dependent
+    from minfer.backend.cuda.counters import LABELS, Counters
+    from minfer.backend.cuda.launch import LAUNCHES, Kernel
+    calls = []
+    k = Kernel(lambda grid, block, args, shared_mem=0: calls.append(grid), "probe_kernel<3>")
+    assert not dependent.STATE.on                 # outside a capture: the ordinary launch
+    c = Counters()
+    assert c.counts == dict.fromkeys(LABELS, 0)
+    before = c.counts
+    k((1,), (32,), ())
+    k((2,), (32,), ())
+    c.label("q6k exp")
+    assert calls == [(1,), (2,)] and c.counts["probe_kernel<3>"] == 2 and c.counts["q6k exp"] == 1
+    delta = c.since(before)
+    assert delta == {"probe_kernel<3>": 2, "q6k exp": 1}
+    c.add(delta, -1)                              # a capture launched nothing
+    assert c.counts == before and "probe_kernel<3>" not in c.counts
+    c.add(delta)                                  # a replay of it
+    c.add(delta)
+    assert c.counts["probe_kernel<3>"] == 4 and c.counts["q6k exp"] == 2
+    other = Counters()                            # another backend's baseline: from now on
+    assert "probe_kernel<3>" not in other.counts
+    c.reset()
+    assert c.counts == dict.fromkeys(LABELS, 0) and LAUNCHES["probe_kernel<3>"] >= 4

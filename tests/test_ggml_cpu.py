@@ -110,7 +110,7 @@ def test_flash_attention_equals_softmax_attention(T, pos0, n_head, n_kv):
 def test_the_setting_and_the_types_it_takes(synth_dir, monkeypatch):
     """MINFER_CPU_MATH: f32 (default) or ggml; another value, or a model with weights
     ggml_cpu does not reproduce (the synthetic qwen2: Q4_K, Q6_K), is one MinferError."""
-    from minfer.backend.cpu import math_setting
+    from minfer.backend import math_setting
     from minfer.engine import Engine
     from minfer.synth import synth_model
     assert math_setting({}) == "f32" and math_setting({"MINFER_CPU_MATH": " GGML "}) == "ggml"

@@ -40,7 +40,7 @@ def _attn_ref(q, kc, vc, n_keys: int) -> np.ndarray:
 @pytest.mark.parametrize("pos", [0, 1, 37, 300, 1500, 9000])     # 9,000: over 128 splits to merge
 @pytest.mark.parametrize("on_device", [False, True], ids=["host_pos", "device_pos"])
 def test_decode_attention_vs_reference(cp, n_head, n_kv, pos, on_device):
-    from minfer.backend.cuda.attention import decode_attention
+    from minfer.backend.cuda.kernels.decode_attn import decode_attention
     rng = np.random.default_rng([n_head, n_kv, pos])
     n_ctx = pos + 5
     kc = rng.standard_normal((n_ctx, n_kv, 128)).astype(np.float16)
@@ -68,15 +68,15 @@ def test_decode_attention_one_launch_equals_two(cp, n_head, n_kv, pos, fused):
     the first, last and past the first split's keys; the cache bytes alike; caches
     that end at the position (the L2 prefetch of the splits' rows stops there) and
     longer ones."""
-    from minfer.backend.cuda import attention, ops
-    assert attention.decode_short(pos) and not attention.decode_short(attention.DEC_SHORT_KEYS)
+    from minfer.backend.cuda.kernels import decode_attn, rope
+    assert decode_attn.decode_short(pos) and not decode_attn.decode_short(decode_attn.DEC_SHORT_KEYS)
     rng = np.random.default_rng([n_head, n_kv, pos, fused])
     n_ctx = 300 if pos % 2 else pos + 1
     kc0, vc0 = (rng.standard_normal((n_ctx, n_kv, 128)).astype(np.float16) for _ in range(2))
     kc0[pos + 1:] = vc0[pos + 1:] = np.nan                        # never read
     q = cp.asarray((rng.standard_normal((1, n_head, 128)) * 2).astype(np.float32))
     k, v = (cp.asarray(rng.standard_normal((1, n_kv, 128)).astype(np.float32)) for _ in range(2))
-    table = cp.asarray(ops.rope_table(n_ctx, 128, 1e6))
+    table = cp.asarray(rope.rope_table(n_ctx, 128, 1e6))
     got = {}
     for short in (False, True):
         kc, vc = cp.asarray(kc0), cp.asarray(vc0)
@@ -84,11 +84,11 @@ def test_decode_attention_one_launch_equals_two(cp, n_head, n_kv, pos, fused):
         if fused:
             q8 = (cp.full((1, n_head * 128), 77, cp.int8), cp.full((1, n_head * 4), np.nan, cp.float32),
                   cp.full((1, n_head * 4), np.nan, cp.float32))
-            attention.decode_attention(q, kc, vc, p, new_kv=(k, v), cos_sin=table, q8=q8, short=short)
+            decode_attn.decode_attention(q, kc, vc, p, new_kv=(k, v), cos_sin=table, q8=q8, short=short)
             outs = tuple(cp.asnumpy(a) for a in q8)
         else:
             out = cp.full((1, n_head * 128), np.nan, cp.float32)
-            attention.decode_attention(q, kc, vc, p, out, short=short)
+            decode_attn.decode_attention(q, kc, vc, p, out, short=short)
             outs = (cp.asnumpy(out),)
         got[short] = outs + (cp.asnumpy(kc).view(np.uint16), cp.asnumpy(vc).view(np.uint16))
     assert np.isfinite(got[True][0 if not fused else 1]).all()
@@ -97,14 +97,14 @@ def test_decode_attention_one_launch_equals_two(cp, n_head, n_kv, pos, fused):
 
 
 def test_decode_attention_one_launch_only_below_its_limit(cp):
-    from minfer.backend.cuda.attention import DEC_SHORT_KEYS, decode_attention
+    from minfer.backend.cuda.kernels.decode_attn import DEC_SHORT_KEYS, decode_attention
     kc = cp.zeros((DEC_SHORT_KEYS + 1, 1, 128), cp.float16)
     with pytest.raises(ValueError, match="one-launch"):
         decode_attention(cp.zeros((1, 2, 128), cp.float32), kc, kc, DEC_SHORT_KEYS, short=True)
 
 
 def test_decode_attention_rejects_large_groups(cp):
-    from minfer.backend.cuda.attention import decode_attention
+    from minfer.backend.cuda.kernels.decode_attn import decode_attention
     from minfer.errors import MinferError
     kc = cp.zeros((4, 1, 128), cp.float16)
     with pytest.raises(MinferError, match="at most 8"):
@@ -113,7 +113,7 @@ def test_decode_attention_rejects_large_groups(cp):
 
 @pytest.mark.parametrize("T,pos", [(1, 0), (1, 9), (5, 3), (33, 0)])
 def test_store_kv_at_device_position(cp, T, pos):
-    from minfer.backend.cuda.attention import store_kv_f16
+    from minfer.backend.cuda.kernels.decode_attn import store_kv_f16
     rng = np.random.default_rng([T, pos])
     n_ctx, n_kv = 40, 3
     k = rng.standard_normal((T, n_kv, 128)).astype(np.float32)
@@ -128,29 +128,29 @@ def test_store_kv_at_device_position(cp, T, pos):
 
 
 def test_rope_device_position_equals_host_position(cp):
-    from minfer.backend.cuda import ops
+    from minfer.backend.cuda.kernels import rope
     rng = np.random.default_rng(5)
-    table = cp.asarray(ops.rope_table(64, 128, 10000.0))
+    table = cp.asarray(rope.rope_table(64, 128, 10000.0))
     x = cp.asarray(rng.standard_normal((1, 7, 128)).astype(np.float32))
     for neox in (True, False):
-        want = cp.asnumpy(ops.rope(x, table, 41, neox))
-        got = cp.asnumpy(ops.rope(x, table, _dev_pos(cp, 41), neox))
+        want = cp.asnumpy(rope.rope(x, table, 41, neox))
+        got = cp.asnumpy(rope.rope(x, table, _dev_pos(cp, 41), neox))
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("n", [1, 31, 1024, 1025, 152064])
 def test_argmax_first_maximum_and_finite_flag(cp, n):
-    from minfer.backend.cuda import ops
+    from minfer.backend.cuda.kernels import argmax
     rng = np.random.default_rng(n)
     x = rng.standard_normal(n).astype(np.float32)
     if n > 3:
         x[[n // 3, n - 1]] = x.max() + 1.0        # a tie: the first index wins, as numpy's
-    got = cp.asnumpy(ops.argmax(cp.asarray(x[None, :])))
+    got = cp.asnumpy(argmax.argmax(cp.asarray(x[None, :])))
     assert got.tolist() == [int(np.argmax(x)), 1]
     for bad in (np.nan, np.inf, -np.inf):
         y = x.copy()
         y[n // 2] = bad
-        assert cp.asnumpy(ops.argmax(cp.asarray(y)))[1] == 0
+        assert cp.asnumpy(argmax.argmax(cp.asarray(y)))[1] == 0
 
 
 @pytest.fixture(scope="module")
@@ -265,12 +265,12 @@ def test_step_queued_ahead_is_dropped_when_the_caller_feeds_another_token(engine
     cache = engine.new_cache()
     assert _forced_ids(engine, prompt, forced, 16, cache) == eager
     assert _forced_ids(engine, prompt, forced, 16, cache) == eager       # same cache: a new prompt
-    assert cache.ahead is not None
+    assert cache.queued is not None
     engine.model.forward(prompt, 0, cache)                               # rewrites the rows it read
-    assert cache.ahead is None
+    assert cache.queued is None
     end = engine.new_cache(len(prompt) + 6)                              # nothing queued past the end
     assert _forced_ids(engine, prompt, {}, 7, end) == _greedy_ids(engine, prompt, 7, engine.new_cache())
-    assert end.ahead is None
+    assert end.queued is None
 
 
 def test_decode_rejects_bad_token_and_position(engine):

@@ -21,12 +21,24 @@ pytestmark = pytest.mark.gpu
 def _fast():
     """The f16 path's wrappers under test, by name."""
     from types import SimpleNamespace
-    from minfer.backend.cuda import attention, cublas, f16
-    return SimpleNamespace(dequant_f16=f16.dequant_f16, cast_f16=f16.cast_f16,
-                           linear_f16=f16.linear_f16, gemm_f16=cublas.gemm_f16,
-                           flash_attention=attention.flash_attention,
-                           attention_f16=attention.attention_f16)
+    from minfer.backend.cuda import cublas
+    from minfer.backend.cuda.kernels import dequant_f16, flash_attn
+    return SimpleNamespace(dequant_f16=dequant_f16.dequant_f16, cast_f16=dequant_f16.cast_f16,
+                           linear_f16=_linear_f16, gemm_f16=cublas.gemm_f16,
+                           flash_attention=flash_attn.flash_attention,
+                           attention_f16=flash_attn.attention_f16)
 
+
+
+def _linear_f16(x, raw, qtype, n_out: int, n_in: int, out=None, x16=None, w16=None, w_exp=None, bias=None):
+    """x (T, n_in) f32 -> rounded to f16 (into x16), W dequantized into w16, one cuBLAS
+    GEMM [+ bias]: the f16 engine's linear, composed from the wrappers under test."""
+    from minfer.backend.cuda.cublas import gemm_w16
+    from minfer.backend.cuda.kernels.dequant_f16 import cast_f16, dequant_f16
+    from minfer.backend.cuda.launch import scratch_view
+    import cupy as cp
+    xh = cast_f16(x, scratch_view(x16, x.shape, "linear_f16 x16", cp.float16))     # (T, n_in)
+    return gemm_w16(xh, dequant_f16(raw, qtype, n_out, n_in, w16, w_exp), out, bias)
 
 QK_K = 256
 
@@ -141,7 +153,7 @@ def test_dequant_many_side_by_side_in_one_scratch(monkeypatch):
     gguf's values, nothing is written between or past them, and the k-quant ones
     went up to three a launch (the group type on its own)."""
     import cupy as cp
-    from minfer.backend.cuda import f16
+    from minfer.backend.cuda.kernels import dequant_f16
     from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
 
     rng = np.random.default_rng(21)
@@ -165,9 +177,9 @@ def test_dequant_many_side_by_side_in_one_scratch(monkeypatch):
         items.append((cp.asarray(dev).reshape(-1), qt, n_out, n_in, scratch[at:at + n_out * n_in], plane))
         wants.append((at, want.astype(np.float16)))
         at += n_out * n_in + gap
-    launches, real = [], f16._launch_segments
-    monkeypatch.setattr(f16, "_launch_segments", lambda segs: (launches.append(len(segs)), real(segs)))
-    w16s = f16.dequant_f16_many(items)
+    launches, real = [], dequant_f16._launch_segments
+    monkeypatch.setattr(dequant_f16, "_launch_segments", lambda segs: (launches.append(len(segs)), real(segs)))
+    w16s = dequant_f16.dequant_f16_many(items)
     assert launches == [3, 2]
     host = scratch.get()
     for (start, want), w16, (_, _, n_out, n_in, _, _) in zip(wants, w16s, items):
@@ -377,8 +389,8 @@ def test_flash_attention(T, pos0, n_head, n_kv, kind):
 
 
 def _need_flash_kind(kind):
-    from minfer.backend.cuda import attention
-    if attention.flash_kind(kind == "wgmma") != kind:
+    from minfer.backend.cuda.kernels import flash_attn
+    if flash_attn.flash_kind(kind == "wgmma") != kind:
         pytest.skip(f"this GPU has no {kind} flash kernel (flash_attn_sm90.cu is for compute capability 9.0)")
 
 

@@ -10,14 +10,14 @@ and the one on f16 weights (which also dequantizes the next layer's pair):
         compares the 7B twin's on prompts that take them)
     the f16 kernel's next-layer dequantization: the bits of dequant_f16, and no
         change to its own output
-    the FFN (Gemms.ffn_f16) takes each where gemm.gateup_kernel says, counts it, and
-        gives the bits of the FFN without it, over consecutive layers handing the
-        next pair on
+    the FFN (ffn.py's FFN.f16) takes each where paths.gateup_kernel says, counts it,
+        and gives the bits of the FFN without it, over consecutive layers prefetching
+        the next pair
 
 Irregular token counts (tails of the 256-token tiles, a single tile, several),
 feature counts of a few 64-feature blocks (grids of half tiles only), and feature
 counts set by the GPU's SM count so that a grid holds whole tiles only, or whole
-tiles and a last wave of half tiles (gateup.tiling); outputs poisoned with NaN first.
+tiles and a last wave of half tiles (gateup_sm90.tiling); outputs poisoned with NaN first.
 """
 from __future__ import annotations
 
@@ -26,13 +26,16 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from minfer.backend.cuda.gemm import GATEUP_KERNELS
+from minfer.backend.cuda.paths import GATEUP_KERNELS
 
 from .test_mmq import _acts, _info, _weights
 
 pytestmark = pytest.mark.gpu
 
-# one 256-token block, several (the kernel takes any T; gemm.py decides where it runs)
+# the two kernels' launch counters (by kernel name)
+Q4K, F16 = "gateup_swiglu_q4k", "gateup_swiglu_f16"
+
+# one 256-token block, several (the kernel takes any T; paths.py decides where it runs)
 SHAPES = [(2, 256, 64), (29, 512, 768), (255, 1536, 192), (256, 256, 128), (257, 768, 128),
           (700, 512, 320)]
 
@@ -63,10 +66,10 @@ def _numpy_h(gate, up, x16, K: int) -> np.ndarray:
 
 def _w16(cp, gate, up):
     """gate and up dequantized by dequant_f16 as rows [gate; up] of one f16 array."""
-    from minfer.backend.cuda import f16
+    from minfer.backend.cuda.kernels import dequant_f16
     d_ff, K = gate.shape[0], _n_in(gate)
     w16 = cp.empty(2 * d_ff * K, cp.float16)
-    f16.dequant_f16_many([(cp.asarray(w), QT.Q4_K, d_ff, K, w16[i * d_ff * K:(i + 1) * d_ff * K], None)
+    dequant_f16.dequant_f16_many([(cp.asarray(w), QT.Q4_K, d_ff, K, w16[i * d_ff * K:(i + 1) * d_ff * K], None)
                           for i, w in enumerate((gate, up))])
     return w16.reshape(2 * d_ff, K)
 
@@ -76,28 +79,29 @@ def _n_in(raw) -> int:
     return raw.shape[1] // 144 * 256
 
 
-def _fused(cp, gate, up, x16, kind="q4k", ahead=None):
+def _fused(cp, gate, up, x16, kind="q4k", prefetch=None):
     """One kernel's h: "q4k" reads the q4_K blocks, "f16" their dequantized rows (and,
-    with ahead, dequantizes that pair into its array)."""
-    from minfer.backend.cuda import gateup
+    with prefetch, dequantizes that pair into its array)."""
+    from minfer.backend.cuda.kernels import gateup_sm90
     T, d_ff = x16.shape[0], gate.shape[0]
     h = cp.full((T, d_ff), cp.nan, cp.float16)
     if kind == "q4k":
-        out = gateup.gateup_swiglu_q4k(cp.asarray(x16), cp.asarray(gate), cp.asarray(up), d_ff, out=h)
+        out = gateup_sm90.gateup_swiglu_q4k(cp.asarray(x16), cp.asarray(gate), cp.asarray(up), d_ff, out=h)
     else:
-        out = gateup.gateup_swiglu_f16(cp.asarray(x16), _w16(cp, gate, up), d_ff, ahead=ahead, out=h)
+        out = gateup_sm90.gateup_swiglu_f16(cp.asarray(x16), _w16(cp, gate, up), d_ff, prefetch=prefetch, out=h)
     assert out.data.ptr == h.data.ptr and out.shape == h.shape
     return cp.asnumpy(h)
 
 
 def _chain(cp, gate, up, x16):
     """The f16 engine's chain: both weights dequantized side by side, one GEMM, SwiGLU."""
-    from minfer.backend.cuda import cublas, f16
+    from minfer.backend.cuda import cublas
+    from minfer.backend.cuda.kernels import dequant_f16
     T, K = x16.shape
     d_ff = gate.shape[0]
     gu = cp.empty((T, 2 * d_ff), cp.float16)
     cublas.gemm_f16(cp.asarray(x16), _w16(cp, gate, up), gu)
-    return cp.asnumpy(f16.swiglu_f16(gu[:, :d_ff], gu[:, d_ff:]))
+    return cp.asnumpy(dequant_f16.swiglu_f16(gu[:, :d_ff], gu[:, d_ff:]))
 
 
 def _same_bits(got, want):
@@ -133,21 +137,21 @@ def test_gateup_f16_dequantizes_the_next_pair_as_dequant_f16(cp, T, K, d_ff):
     gate, up, x16 = _case(cp, T, K, d_ff, seed=5 * T + K)
     g2, u2 = (_weights(QT.Q4_K, d_ff, K, seed=T + 40 + i) for i in range(2))
     out16 = cp.full((2 * d_ff, K), cp.nan, cp.float16)
-    got = _fused(cp, gate, up, x16, "f16", ahead=(cp.asarray(g2), cp.asarray(u2), out16))
+    got = _fused(cp, gate, up, x16, "f16", prefetch=(cp.asarray(g2), cp.asarray(u2), out16))
     _same_bits(got, _fused(cp, gate, up, x16, "f16"))
     assert np.array_equal(cp.asnumpy(out16).view(np.uint16), cp.asnumpy(_w16(cp, g2, u2)).view(np.uint16))
 
 
 @pytest.mark.parametrize("at", [0, 128 * 256, 3 * 128 * 256 // 2])    # w16's start, inside it, its last rows
 def test_gateup_f16_refuses_a_next_pairs_array_over_its_own_weights(cp, at):
-    from minfer.backend.cuda import gateup
+    from minfer.backend.cuda.kernels import gateup_sm90
     gate, up, x16 = _case(cp, 64, 256, 128, seed=1)
     room = cp.empty(4 * 2 * 128 * 256, cp.float16)
     w16 = room[:2 * 128 * 256].reshape(2 * 128, 256)
     w16[...] = _w16(cp, gate, up)
     with pytest.raises(ValueError, match="overlaps this launch's w16"):
-        gateup.gateup_swiglu_f16(cp.asarray(x16), w16, 128,
-                                 ahead=(cp.asarray(gate), cp.asarray(up), room[at:at + 2 * 128 * 256]))
+        gateup_sm90.gateup_swiglu_f16(cp.asarray(x16), w16, 128,
+                                 prefetch=(cp.asarray(gate), cp.asarray(up), room[at:at + 2 * 128 * 256]))
 
 
 @pytest.mark.parametrize("kind", ["q4k", "f16"])
@@ -157,12 +161,12 @@ def test_gateup_grids_of_whole_and_half_tiles(cp, grid, kind):
     (a last wave too full to split: whole tiles only), or 2 rows over n_sm + 8 (a last
     wave of 16 tiles: 32 half tiles, those past T = 300 leaving at once). The bits of
     the chain either way."""
-    from minfer.backend.cuda import gateup
+    from minfer.backend.cuda.kernels import gateup_sm90
     n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
     T, nf = (700, -(-3 * n_sm // 5)) if grid == "whole" else (300, n_sm + 8)
     K, d_ff = 256, 64 * nf
     tiles = nf * -(-T // 256)
-    whole, blocks = gateup.tiling(T, d_ff, n_sm)
+    whole, blocks = gateup_sm90.tiling(T, d_ff, n_sm)
     assert (whole, blocks) == ((tiles, tiles) if grid == "whole" else (tiles - 16, tiles + 16))
     gate, up, x16 = _case(cp, T, K, d_ff, seed=nf)
     _same_bits(_fused(cp, gate, up, x16, kind), _chain(cp, gate, up, x16))
@@ -191,15 +195,15 @@ def test_ffn_takes_the_q4k_kernel_with_the_same_bits(cp, cuda_linears, T):
     d, d_ff = 512, 1280
     runs = {}
     for fused in (True, False):
-        st, gemm = cuda_linears(gateup_fused=fused)
+        st, parts = cuda_linears(gateup_fused=fused)
         (ws,) = _ffn_weights(st, 1, d, d_ff)
         xh = cp.asarray(_acts(T, d, seed=T)).astype(cp.float16)
         res = cp.asarray(_acts(T, d, seed=T + 1))
-        gemm.counters.reset()
-        y = gemm.ffn_f16(xh, *ws, residual=res)
-        runs[fused] = (cp.asnumpy(y), dict(gemm.counters.counts))
+        parts.counters.reset()
+        y = parts.ffn.f16(xh, parts.layer(*ws), residual=res)
+        runs[fused] = (cp.asnumpy(y), dict(parts.counters.counts))
     (y1, c1), (y0, c0) = runs[True], runs[False]
-    assert c1["gate/up fused"] == 1 and c0["gate/up fused"] == 0 and c1["gate/up f16"] == 0
+    assert c1.get(Q4K, 0) == 1 and c0.get(Q4K, 0) == 0 and c1.get(F16, 0) == 0
     assert c1["q4k_f16"] == c0["q4k_f16"] == 2 and c1["q6k exp"] == c0["q6k exp"] == 1
     assert np.array_equal(y1.view(np.uint32), y0.view(np.uint32))
 
@@ -211,35 +215,38 @@ def test_ffn_layers_take_the_f16_kernel_and_hand_the_next_pair_on(cp, cuda_linea
     reach a dequantization), and every layer's output has the bits of the chain
     (kernels off). The counters: three f16 launches, two of them with the next pair,
     gate and up counted once a layer either way."""
-    from minfer.backend.cuda import f16
+    from minfer.backend.cuda.kernels import dequant_f16
     d, d_ff, n = 512, 1280, 3
     runs = {}
     dequantized = []                                   # the raw weights dequant_f16_many saw
-    real = f16.dequant_f16_many
+    real = dequant_f16.dequant_f16_many
 
     def recording(weights):
         dequantized.extend(int(w[0].data.ptr) for w in weights)
         return real(weights)
 
-    monkeypatch.setattr(f16, "dequant_f16_many", recording)
+    from minfer.backend.cuda import ffn, linears
+    monkeypatch.setattr(ffn, "dequant_f16_many", recording)      # where the FFN and the linears call it
+    monkeypatch.setattr(linears, "dequant_f16_many", recording)
     for fused in (True, False):
-        st, gemm = cuda_linears(gateup_fused=fused)
+        st, parts = cuda_linears(gateup_fused=fused)
         layers = _ffn_weights(st, n, d, d_ff)
-        gemm.counters.reset()
+        Ls = [parts.layer(*ws) for ws in layers]
+        parts.ffn.plan(Ls)                             # each layer's FFN knows the next one
+        parts.counters.reset()
         dequantized.clear()
         ys = []
-        for i, ws in enumerate(layers):
+        for i, L in enumerate(Ls):
             xh = cp.asarray(_acts(T, d, seed=T + i)).astype(cp.float16)
             res = cp.asarray(_acts(T, d, seed=T + 10 + i))
-            ahead = (layers[i + 1][0], layers[i + 1][1]) if i + 1 < n else None
-            ys.append(cp.asnumpy(gemm.ffn_f16(xh, *ws, residual=res, ahead=ahead)))
+            ys.append(cp.asnumpy(parts.ffn.f16(xh, L, residual=res)))
         if fused:                                      # only layer 0's pair by a dequantization
             gu = [{w.ptr for w in ws[:2]} for ws in layers]
             assert gu[0] <= set(dequantized) and not (gu[1] | gu[2]) & set(dequantized)
-        runs[fused] = (ys, dict(gemm.counters.counts), gemm._ahead)
+        runs[fused] = (ys, dict(parts.counters.counts), parts.state.prefetched)
     (y1, c1, held1), (y0, c0, held0) = runs[True], runs[False]
-    assert (c1["gate/up f16"], c1["gate/up ahead"], c1["gate/up fused"]) == (n, n - 1, 0)
-    assert (c0["gate/up f16"], c0["gate/up ahead"]) == (0, 0)
+    assert (c1.get(F16, 0), c1["gate/up prefetch"], c1.get(Q4K, 0)) == (n, n - 1, 0)
+    assert (c0.get(F16, 0), c0["gate/up prefetch"]) == (0, 0)
     assert c1["q4k_f16"] == c0["q4k_f16"] == 2 * n and c1["q6k exp"] == c0["q6k exp"] == n
     assert held1 is None and held0 is None                 # the last layer hands nothing on
     for i in range(n):
@@ -247,23 +254,24 @@ def test_ffn_layers_take_the_f16_kernel_and_hand_the_next_pair_on(cp, cuda_linea
 
 
 def test_ffn_f16_kernel_dequantizes_a_pair_it_was_not_handed(cp, cuda_linears):
-    """Layer 1 run first (nothing handed on), then layer 0 told of layer 1, then layer 2
-    (not the pair handed on): each pair not written ahead is dequantized at its layer,
-    and the outputs stay the chain's."""
+    """Layer 1 run first (nothing after it), then layer 0 followed by layer 1, then
+    layer 2 (not the pair prefetched): each pair not prefetched is dequantized at its
+    layer, and the outputs stay the chain's."""
     T, d, d_ff = 1100, 256, 768
     runs = {}
     for fused in (True, False):
-        st, gemm = cuda_linears(gateup_fused=fused)
+        st, parts = cuda_linears(gateup_fused=fused)
         layers = _ffn_weights(st, 3, d, d_ff, seed=11)
-        gemm.counters.reset()
+        parts.counters.reset()
         ys = []
-        for i, ahead in ((1, None), (0, 1), (2, None)):
+        Ls = [parts.layer(*ws) for ws in layers]
+        for i, nxt in ((1, None), (0, 1), (2, None)):
+            parts.ffn.plan([Ls[i]] if nxt is None else [Ls[i], Ls[nxt]])   # the layer order as told
             xh = cp.asarray(_acts(T, d, seed=i)).astype(cp.float16)
-            ys.append(cp.asnumpy(gemm.ffn_f16(xh, *layers[i], ahead=None if ahead is None
-                                              else tuple(layers[ahead][:2]))))
-        runs[fused] = (ys, dict(gemm.counters.counts))
+            ys.append(cp.asnumpy(parts.ffn.f16(xh, Ls[i])))
+        runs[fused] = (ys, dict(parts.counters.counts))
     (y1, c1), (y0, c0) = runs[True], runs[False]
-    assert (c1["gate/up f16"], c1["gate/up ahead"]) == (3, 1) and c0["gate/up f16"] == 0
+    assert (c1.get(F16, 0), c1["gate/up prefetch"]) == (3, 1) and c0.get(F16, 0) == 0
     for a, b in zip(y1, y0):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
@@ -273,12 +281,12 @@ def test_ffn_f16_kernel_dequantizes_a_pair_it_was_not_handed(cp, cuda_linears):
                                                        for (a, b), _ in GATEUP_KERNELS)}))
 def test_ffn_outside_their_lengths_takes_the_chain(cp, cuda_linears, T):
     d, d_ff = 256, 256
-    st, gemm = cuda_linears()
+    st, parts = cuda_linears()
     ws = [st.register(name, _info(name, QT.Q4_K, n_out, n_in), _weights(QT.Q4_K, n_out, n_in, seed=i))
           for i, (name, n_out, n_in) in enumerate((("blk.0.ffn_gate.weight", d_ff, d),
                                                    ("blk.0.ffn_up.weight", d_ff, d),
                                                    ("blk.0.ffn_down.weight", d, d_ff)))]
-    gemm.counters.reset()
-    gemm.ffn_f16(cp.asarray(_acts(T, d, seed=1)).astype(cp.float16), *ws)
-    c = gemm.counters.counts
-    assert c["gate/up fused"] == c["gate/up f16"] == 0 and c["q4k_f16"] == 3
+    parts.counters.reset()
+    parts.ffn.f16(cp.asarray(_acts(T, d, seed=1)).astype(cp.float16), parts.layer(*ws))
+    c = parts.counters.counts
+    assert c.get(Q4K, 0) == c.get(F16, 0) == 0 and c["q4k_f16"] == 3

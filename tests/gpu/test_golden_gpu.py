@@ -3,13 +3,13 @@ byte, and byte-identical in the three q6_K modes (all three accumulate in the
 same order) and with either prompt attention kernel, each mode with its liveness
 counters:
 
-    exp       (default)                  exp > 0, fallback! == 0; flash wgmma on Hopper
+    exp       (default)                  exp > 0, fallback! == 0; the wgmma flash kernel on Hopper
     exp=off   MINFER_MMQ_Q6K_EXP=0       only exp=off, no planes (plane_bytes == 0)
-    fallback! MINFER_TEST_FORCE_EXP_MISS=1  fallback! > 0
-    flash=mma MINFER_FLASH_WGMMA=0       flash mma only (the mma.sync kernel)
+    fallback! --set force_exp_miss=1     fallback! > 0
+    flash=mma --set flash_wgmma=0        the mma.sync flash kernel only
 
-Each mode runs `scripts/golden.py --report` in its own process, since the
-variables are read when the backend is created (CudaSettings.from_env).
+Each mode runs `python3 -m scripts.check.golden --report` in its own process: the
+planes are registered (or not) when the weights load.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import pytest
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.json"))
-MODES = {
-    "exp": {},
-    "exp=off": {"MINFER_MMQ_Q6K_EXP": "0"},
-    "fallback!": {"MINFER_TEST_FORCE_EXP_MISS": "1"},
-    "flash=mma": {"MINFER_FLASH_WGMMA": "0"},
+MODES = {                                 # mode -> (environment, --set fields)
+    "exp": ({}, []),
+    "exp=off": ({"MINFER_MMQ_Q6K_EXP": "0"}, []),
+    "fallback!": ({}, ["force_exp_miss=1"]),
+    "flash=mma": ({}, ["flash_wgmma=0"]),
 }
 EXP, OFF, MISS = "q6k exp", "q6k exp=off", "q6k fallback!"
 
@@ -36,18 +36,18 @@ EXP, OFF, MISS = "q6k exp", "q6k exp=off", "q6k fallback!"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, synth_dir):
     if not GOLDEN:
-        pytest.skip("no golden files in tests/golden (make them: python scripts/golden.py --update)")
+        pytest.skip("no golden files in tests/golden (make them: python3 -m scripts.check.golden --update)")
     tmp = tmp_path_factory.mktemp("golden")
     model_dir = str(synth_dir)
     out = {}
-    for mode, extra in MODES.items():
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("MINFER_MMQ_Q6K_EXP", "MINFER_TEST_FORCE_EXP_MISS", "MINFER_FLASH_WGMMA")}
-        env.update(extra, MINFER_MMQ_RAW_NB_DEBUG="1")
+    for mode, (extra, fields) in MODES.items():
+        env = {k: v for k, v in os.environ.items() if k != "MINFER_MMQ_Q6K_EXP"}
+        env.update(extra)
         rep = tmp / f"{mode.replace('!', '').replace('=', '_')}.json"
-        p = subprocess.run([sys.executable, str(ROOT / "scripts" / "golden.py"), "--report", str(rep),
-                            "--model-dir", model_dir], env=env, capture_output=True, text=True,
-                           timeout=600)
+        sets = [a for f in fields for a in ("--set", f)]
+        p = subprocess.run([sys.executable, "-m", "scripts.check.golden", "--report", str(rep),
+                            "--model-dir", model_dir, *sets], env=env, cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
         out[mode] = (p, json.loads(rep.read_text()) if rep.is_file() else None)
     return out
 
@@ -79,8 +79,9 @@ def test_liveness_counters(runs):
     assert planes["exp=off"] == 0
     assert c["fallback!"].get(MISS, 0) > 0, c["fallback!"]
     # the prompt attention: the default's kernel is the one this GPU has (flash_kind)
-    from minfer.backend.cuda.attention import flash_kind
+    from minfer.backend.cuda.kernels.flash_attn import KERNEL, flash_kind
     kind = flash_kind(True)
-    assert c["exp"].get(f"flash {kind}", 0) > 0, c["exp"]
-    assert c["exp"].get("flash wgmma" if kind == "mma" else "flash mma", 0) == 0, c["exp"]
-    assert c["flash=mma"].get("flash mma", 0) > 0 and c["flash=mma"].get("flash wgmma", 0) == 0, c["flash=mma"]
+    other = "mma" if kind == "wgmma" else "wgmma"
+    assert c["exp"].get(KERNEL[kind], 0) > 0, c["exp"]
+    assert c["exp"].get(KERNEL[other], 0) == 0, c["exp"]
+    assert c["flash=mma"].get(KERNEL["mma"], 0) > 0 and c["flash=mma"].get(KERNEL["wgmma"], 0) == 0, c["flash=mma"]

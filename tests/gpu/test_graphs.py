@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
+GATEUP_Q4K = "gateup_swiglu_q4k"          # the gate/up + SwiGLU kernel on q4_K, counted by name
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def _eager(engine, tokens, cache):
         return y, _counts(be)
 
 
-# 200: the FFN takes the fused gate/up kernel (gemm.gateup_fused)
+# 200: the FFN takes the gate/up + SwiGLU kernel on q4_K (paths.GATEUP_KERNELS)
 @pytest.mark.parametrize("T,gemm", [(7, "f16"), (70, "f16"), (200, "f16"), (333, "f16"), (40, "mmq")])
 def test_replay_equals_eager_and_counts(engine, T, gemm):
     be = engine.backend
@@ -66,12 +67,12 @@ def test_replay_equals_eager_and_counts(engine, T, gemm):
     assert layers.pop("dependent launches") >= 7 * engine.cfg.n_layer   # our kernels, dependent
     early = layers.pop("early dequants")                          # the f16 engine's dequantizations
     # q/k/v, o, gate/up and down, less the layers whose gate/up + SwiGLU is one kernel
-    dequants = 4 * engine.cfg.n_layer - layers["gate/up fused"]
+    dequants = 4 * engine.cfg.n_layer - layers.get(GATEUP_Q4K, 0)
     assert (early >= dequants) if gemm == "f16" else early == 0
     assert sum(layers.values()) >= 7 * engine.cfg.n_layer and all(
-        layers[k] <= want_counts[k] for k in layers)
+        layers[k] <= want_counts.get(k, 0) for k in layers)
     assert got_counts[0] == want_counts and got_counts[2] == want_counts
-    assert got_counts[1] == {k: want_counts[k] + layers[k] for k in want_counts}
+    assert got_counts[1] == {k: want_counts[k] + layers.get(k, 0) for k in want_counts}
     assert replays == [0, 1, 1]
 
 
@@ -100,10 +101,10 @@ def test_replay_survives_scratch_growth(engine):
     want, _ = _eager(engine, short, cache)
     engine.model.forward(short, 0, cache, logits_from=0)          # eager (first use)
     engine.model.forward(short, 0, cache, logits_from=0)          # capture + replay
-    x16_before = be.gemm.scratch()[1]                             # (q8 slots, x16, w16)
+    x16_before = be.state.keep_alive()[1]                         # (q8 slots, x16, w16, RoPE)
     for _ in range(3):                                            # eager, capture, replay
         engine.model.forward(long_, 0, cache, logits_from=0)
-    assert be.gemm.scratch()[1].size > x16_before.size, "x16 scratch did not grow"
+    assert be.state.keep_alive()[1].size > x16_before.size, "x16 scratch did not grow"
     got = engine.model.forward(short, 0, cache, logits_from=0)    # replay of the short graph
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
@@ -128,17 +129,17 @@ def test_dependent_launches_same_bits(engine, T):
             # the f16 engine's dequantizations (q/k/v, o, gate/up unless fused, down:
             # each after a kernel of ours) start before their wait, only as dependents
             c = be.counters()
-            e, dequants = c["early dequants"], 4 * engine.cfg.n_layer - c["gate/up fused"]
+            e, dequants = c["early dequants"], 4 * engine.cfg.n_layer - c.get(GATEUP_Q4K, 0)
             assert (e >= dequants) if on else e == 0
     assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
 
 
 def test_decode_graphs_either_side_of_the_one_launch_limit(engine):
     """A decode step's graph key says whether its attention is the one-launch kind
-    (attention.decode_short); greedy steps across the limit (positions 250..269 of a
+    (decode_attn.decode_short); greedy steps across the limit (positions 250..269 of a
     700-position cache) give the ids of eager steps, one graph each side, each
     replayed, and no step queued ahead across the limit."""
-    from minfer.backend.cuda.attention import DEC_SHORT_KEYS
+    from minfer.backend.cuda.kernels.decode_attn import DEC_SHORT_KEYS
     from minfer.backend.cuda.graphs import Graph
     assert DEC_SHORT_KEYS == 256
     be, m = engine.backend, engine.model
@@ -169,16 +170,16 @@ def test_decode_graphs_either_side_of_the_one_launch_limit(engine):
 @pytest.mark.parametrize("T", [7, 333])
 def test_flash_kernels_same_bits_and_counted(engine, T):
     """The prefill attention runs the wgmma kernel by default on a Hopper GPU and the
-    mma.sync kernel with MINFER_FLASH_WGMMA=0 (flash_wgmma=False); each is counted
+    mma.sync kernel with flash_wgmma=False; each is counted
     once a layer eager and once a layer a replay (the capturing forward runs the
     layers once warm and replays the new graph: twice), and the logits are the same
     bits."""
-    from minfer.backend.cuda import attention
+    from minfer.backend.cuda.kernels import flash_attn
     be = engine.backend
     toks = _tokens(T, 5 + T, engine.cfg.vocab_size)
     got = {}
     for on in (True, False):
-        kind = attention.flash_kind(on)
+        kind = flash_attn.flash_kind(on)
         other = "mma" if kind == "wgmma" else "wgmma"
         with be.using(flash_wgmma=on):
             cache = engine.new_cache()
@@ -186,8 +187,9 @@ def test_flash_kernels_same_bits_and_counted(engine, T):
                 be.reset_counters()
                 got[on] = engine.model.forward(toks, 0, cache, logits_from=0)
                 c = be.counters()
-                assert c["flash " + kind] == runs * engine.cfg.n_layer and c["flash " + other] == 0, c
+                assert (c.get(flash_attn.KERNEL[kind], 0) == runs * engine.cfg.n_layer
+                        and c.get(flash_attn.KERNEL[other], 0) == 0), c
             assert c["graph replays"] == 1
-    if attention.flash_kind(True) != "wgmma":
+    if flash_attn.flash_kind(True) != "wgmma":
         pytest.skip("no wgmma kernel on this GPU: the mma.sync kernel ran both times")
     assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))

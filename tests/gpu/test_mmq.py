@@ -1,5 +1,5 @@
 """The quantized-weight kernels vs NumPy references (kernels/{quantize,mmq,matvec,
-dequant}.cu through minfer/backend/cuda/int8.py).
+dequant}.cu through minfer/backend/cuda/kernels/).
 
 The independent truth: minfer.quants (bit-exact to gguf.quants, tested in CI) for
 the weights, a NumPy mirror of ggml's quantize_q8_1 for the activations, float64
@@ -40,9 +40,11 @@ def cp():
 
 @pytest.fixture(scope="module")
 def cq():
-    """The kernel wrappers under test (minfer/backend/cuda/int8.py)."""
-    from minfer.backend.cuda import int8
-    return int8
+    """The kernel wrappers under test (minfer/backend/cuda/kernels/{quantize,mmq,dequant}.py)."""
+    from types import SimpleNamespace
+    from minfer.backend.cuda.kernels import dequant, mmq, quantize
+    return SimpleNamespace(quantize_q8_1=quantize.quantize_q8_1, mmq_q4k=mmq.mmq_q4k, mmq_q6k=mmq.mmq_q6k,
+                           dequant_rows=dequant.dequant_rows)
 
 
 def _rng(*key) -> np.random.Generator:
@@ -195,7 +197,7 @@ def _matvec(cp, cq, qtype, raw, x, bias=None):
     n_out = raw.shape[0]
     y = cp.full((1, n_out), cp.nan, dtype=cp.float32)
     xq, xd, xs = cq.quantize_q8_1(cp.asarray(x))
-    from minfer.backend.cuda.matvec import matvec
+    from minfer.backend.cuda.kernels.matvec import matvec
     matvec(qtype, xq, xd, xs, cp.asarray(_pad(qtype, raw)), n_out, None if bias is None else cp.asarray(bias), y)
     return cp.asnumpy(y)
 
@@ -267,11 +269,11 @@ def _linear_counts(cp, cuda_linears, mode="exp", T=7, engine="mmq"):
     n_out, K = 200, 512
     raw = _weights(QT.Q6_K, n_out, K, seed=5)
     pin = 1 << 30 if engine == "mmq" else 2                 # pin the GEMM engine under test
-    st, gemm = cuda_linears(f16_min_t=pin, **MODES[mode])
+    st, parts = cuda_linears(f16_min_t=pin, **MODES[mode])
     name = "blk.3.ffn_down.weight"
     w = st.register(name, _info(name, QT.Q6_K, n_out, K), raw)
-    y = cp.asnumpy(gemm.linear(cp.asarray(_acts(T, K, seed=5)), w))
-    return dict(gemm.counters.counts), y, st, w          # w keeps its plane alive
+    y = cp.asnumpy(parts.lin.linear(cp.asarray(_acts(T, K, seed=5)), w))
+    return dict(parts.counters.counts), y, st, w          # w keeps its plane alive
 
 
 @pytest.mark.parametrize("engine", ["mmq", "f16"])
@@ -299,65 +301,67 @@ def test_linear_liveness_paths(cp, cuda_linears, capsys, engine):
 def test_linear_routes_matvec_and_q4k(cp, cuda_linears):
     c1, _, _, _ = _linear_counts(cp, cuda_linears, T=1)
     assert c1["q6k_mv"] == 1 and c1["q6k exp"] == 0
-    st, gemm = cuda_linears(f16_min_t=1 << 30)             # MMQ for T > 1
+    st, parts = cuda_linears(f16_min_t=1 << 30)             # MMQ for T > 1
     raw = _weights(QT.Q4_K, 264, 512, seed=6)
     w = st.register("blk.0.attn_q.weight", _info("blk.0.attn_q.weight", QT.Q4_K, 264, 512), raw)
     x = _acts(33, 512, seed=6)
     bias = _rng("lb").standard_normal(264).astype(np.float32)
-    y = cp.asnumpy(gemm.linear(cp.asarray(x), w, bias=cp.asarray(bias)))
+    y = cp.asnumpy(parts.lin.linear(cp.asarray(x), w, bias=cp.asarray(bias)))
     _check_gemm(QT.Q4_K, raw, x, y, bias)
-    gemm.linear(cp.asarray(x[:1]), w)
-    assert gemm.counters.counts["q4k_mmq"] == 1 and gemm.counters.counts["q4k_mv"] == 1
+    parts.lin.linear(cp.asarray(x[:1]), w)
+    assert parts.counters.counts["q4k_mmq"] == 1 and parts.counters.counts["q4k_mv"] == 1
     assert st.bytes["q4_K weights"] == raw.nbytes
     # the default engine for T >= F16_GEMM_MIN_T: W and x rounded once to f16
     # (relative 2^-11 each), products summed in f32: well inside 4e-3 of max|y|
     from minfer.backend.cuda.settings import CudaSettings
-    gemm.settings = CudaSettings()
-    y16 = cp.asnumpy(gemm.linear(cp.asarray(x), w, bias=cp.asarray(bias)))
+    parts.settings = CudaSettings()
+    y16 = cp.asnumpy(parts.lin.linear(cp.asarray(x), w, bias=cp.asarray(bias)))
     ref = (x.astype(np.float64) @ quants.dequantize_rows(raw, QT.Q4_K, 512).astype(np.float64).T
            + bias)
     assert np.abs(y16 - ref).max() <= 4e-3 * np.abs(ref).max()
-    assert gemm.counters.counts["q4k_f16"] == 1
-    gemm.counters.reset()
-    assert not any(gemm.counters.counts.values())
+    assert parts.counters.counts["q4k_f16"] == 1
+    parts.counters.reset()
+    assert not any(parts.counters.counts.values())
 
 
 def test_debug_counts_printed_at_exit(cp):
-    """MINFER_MMQ_RAW_NB_DEBUG=1: one line per launch path at process exit."""
+    """MINFER_PRINT_LAUNCH_COUNTS=1: one line per counter at process exit."""
     code = (
         "import numpy as np, cupy as cp\n"
         "from gguf import GGMLQuantizationType as QT\n"
-        "from minfer.backend.cuda.gemm import Gemms\n"
+        "from minfer.backend.cuda.counters import Counters\n"
+        "from minfer.backend.cuda.linears import Linears\n"
         "from minfer.backend.cuda.settings import CudaSettings\n"
+        "from minfer.backend.cuda.state import RunState\n"
         "from minfer.backend.cuda.weights import WeightStore\n"
         "from minfer.gguf import TensorInfo\n"
         "from minfer.quantize import quantize\n"
         "x = np.random.default_rng(7).standard_normal((9, 256)).astype(np.float32)\n"
         "raw = quantize(x[:5] * 0.01, QT.Q6_K)\n"
-        "settings = CudaSettings.from_env(); st = WeightStore(settings); g = Gemms(st, settings)\n"
+        "settings = CudaSettings.from_env(); st = WeightStore(lambda: settings)\n"
+        "g = Linears(st, RunState(lambda: st.f16_elems), Counters(settings.print_launch_counts), lambda: settings)\n"
         "w = st.register('output.weight', TensorInfo('output.weight', QT.Q6_K, (5, 256), 0,"
         " raw.nbytes, 1280, raw.shape[1], 5), raw)\n"
         "g.linear(cp.asarray(x), w); g.linear(cp.asarray(x), w); cp.cuda.Device().synchronize()\n")
     root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "MINFER_MMQ_RAW_NB_DEBUG": "1",
+    env = {**os.environ, "MINFER_PRINT_LAUNCH_COUNTS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     env.pop("MINFER_MMQ_Q6K_EXP", None)
-    env.pop("MINFER_TEST_FORCE_EXP_MISS", None)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr
-    assert "[minfer mmq] q6k exp: 2" in p.stderr
-    assert "[minfer mmq] q6k fallback!: 0" in p.stderr
+    assert "[minfer launches] q6k exp: 2" in p.stderr
+    assert "[minfer launches] q6k fallback!: 0" in p.stderr
 
 
 def test_ffn_f16_vs_reference(cp, cuda_linears):
-    """Gemms.ffn_f16 (the f16 engine's SwiGLU FFN): gate/up GEMMs write f16, swiglu
+    """FFN.f16 (the f16 engine's SwiGLU FFN, ffn.py): gate/up GEMMs write f16, swiglu
     reads and writes f16, the down GEMM reads it. Reference: the same roundings in
     float64 (x, W, g, u and f rounded to f16 once each). What remains is f32
     accumulation order, which can move a g/u/f value across an f16 rounding
     boundary (one ulp, 2^-11 relative) now and then: 2e-3 of max|y| holds that."""
     T, d, d_ff = 37, 512, 768
-    st, gemm = cuda_linears()
+    st, parts = cuda_linears()
     ws = {}
     for name, qt, n_out, K in (("blk.0.ffn_gate.weight", QT.Q4_K, d_ff, d),
                                ("blk.0.ffn_up.weight", QT.Q4_K, d_ff, d),
@@ -367,8 +371,9 @@ def test_ffn_f16_vs_reference(cp, cuda_linears):
                                   quants.dequantize_rows(raw, qt, K))
     h = _acts(T, d, seed=11) * 0.3
     gate, up, down = ws["ffn_gate"][0], ws["ffn_up"][0], ws["ffn_down"][0]
-    assert gemm.ffn_fused(T, gate, up, down)
-    y = cp.asnumpy(gemm.ffn_f16(cp.asarray(h), gate, up, down))
+    L = parts.layer(gate, up, down)
+    assert parts.ffn.fused(T, L)
+    y = cp.asnumpy(parts.ffn.f16(cp.asarray(h), L))
 
     f16 = lambda a: a.astype(np.float16).astype(np.float64)
     h16 = f16(h)
@@ -378,9 +383,9 @@ def test_ffn_f16_vs_reference(cp, cuda_linears):
     ref = f @ f16(ws["ffn_down"][1]).T
     assert y.shape == (T, d) and np.isfinite(y).all()
     assert np.abs(y - ref).max() <= 2e-3 * np.abs(ref).max()
-    c = gemm.counters.counts
+    c = parts.counters.counts
     assert c["q4k_f16"] == 2 and c["q6k_f16"] == 1 and c["q6k exp"] == 1
-    gemm.settings = gemm.settings.replace(exp_enabled=False)   # the padded blocks give the same bits
-    y_off = cp.asnumpy(gemm.ffn_f16(cp.asarray(h), gate, up, down))
+    parts.settings = parts.settings.replace(exp_enabled=False)   # the padded blocks give the same bits
+    y_off = cp.asnumpy(parts.ffn.f16(cp.asarray(h), L))
     assert np.array_equal(y_off.view(np.uint32), y.view(np.uint32))
-    assert gemm.counters.counts["q6k exp=off"] == 1
+    assert parts.counters.counts["q6k exp=off"] == 1

@@ -16,9 +16,9 @@ def cu():
     """cupy, and the wrappers under test by their op names."""
     import cupy
     from types import SimpleNamespace
-    from minfer.backend.cuda import attention, ops
-    return cupy, SimpleNamespace(rmsnorm=ops.rmsnorm, rope=ops.rope, rope_table=ops.rope_table,
-                                 swiglu=ops.swiglu, add=ops.add, attention=attention.attention_f32)
+    from minfer.backend.cuda.kernels import attention, elementwise, norm, rope
+    return cupy, SimpleNamespace(rmsnorm=norm.rmsnorm, rope=rope.rope, rope_table=rope.rope_table,
+                                 swiglu=elementwise.swiglu, add=elementwise.add, attention=attention.attention_f32)
 
 
 def nan_like(cp, shape):
@@ -236,7 +236,7 @@ def test_oom_is_one_line_minfer_error(cu, synth_dir, monkeypatch):
     ones raised inside loading and inside a forward pass."""
     cp, _ = cu
     from minfer.backend.cuda import CUDABackend
-    from minfer.backend.cuda.gemm import Gemms
+    from minfer.backend.cuda.linears import Linears
     from minfer.backend.cuda.weights import WeightStore
     from minfer.engine import Engine
     from minfer.errors import MinferError
@@ -260,7 +260,7 @@ def test_oom_is_one_line_minfer_error(cu, synth_dir, monkeypatch):
     assert msg.startswith("GPU out of memory while loading the weights") and "\n" not in msg
     assert "MINFER_MMQ_Q6K_EXP" in msg
     eng = Engine.load(path, backend="cuda", n_ctx=16, progress=False)
-    monkeypatch.setattr(Gemms, "norm_linears", boom)         # every forward's q/k/v and LM head
+    monkeypatch.setattr(Linears, "norm_linears", boom)         # every forward's q/k/v and LM head
     with pytest.raises(MinferError) as ei:
         eng.model.forward(np.arange(1, dtype=np.int32), 0, eng.new_cache())
     assert str(ei.value).startswith("GPU out of memory while running the model")

@@ -67,7 +67,7 @@ def _truth(qtype, raw, n_in) -> np.ndarray:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequant_f16_bit_exact(cp, qtype):
-    from minfer.backend.cuda.f16 import dequant_f16
+    from minfer.backend.cuda.kernels.dequant_f16 import dequant_f16
     for raw, n_in in _cases(qtype):
         n_out = raw.shape[0]
         out = cp.full(n_out * n_in, np.nan, cp.float16)
@@ -78,7 +78,7 @@ def test_dequant_f16_bit_exact(cp, qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_embedding_rows_bit_exact(cp, qtype):
-    from minfer.backend.cuda.int8 import dequant_rows
+    from minfer.backend.cuda.kernels.dequant import dequant_rows
     for raw, n_in in _cases(qtype):
         n_out = raw.shape[0]
         toks = np.random.default_rng(n_out).integers(0, n_out, 9).astype(np.int32)
@@ -105,8 +105,8 @@ def test_matvec_vs_reference(cp, qtype):
     rounding, a few roundings per group of terms bounded by the envelope (|W| plus
     twice its group maximum, since W = a*q + b can cancel), over K/32 groups and a
     5-level reduction; we allow 8 * (K/32 + 8) * 2^-24 * envelope."""
-    from minfer.backend.cuda.int8 import quantize_q8_1
-    from minfer.backend.cuda.matvec import matvec
+    from minfer.backend.cuda.kernels.quantize import quantize_q8_1
+    from minfer.backend.cuda.kernels.matvec import matvec
     for raw, n_in in _cases(qtype):
         n_out = raw.shape[0]
         x = np.random.default_rng(n_in).standard_normal((1, n_in)).astype(np.float32)
@@ -129,7 +129,7 @@ def test_paths_are_counted(cp, cuda_linears):
     """A Q8_0 LM head and a Q4_1 layer weight: matvec at one row, the f16 engine
     (which the MMQ lacks) at many, each launch under its type's counter."""
     from minfer.gguf import TensorInfo
-    st, gemm = cuda_linears()
+    st, parts = cuda_linears()
     ws = {}
     for name, qt in (("output.weight", QT.Q8_0), ("blk.0.ffn_up.weight", QT.Q4_1)):
         raw = _quantized(qt, 96, 576, 3)
@@ -138,8 +138,8 @@ def test_paths_are_counted(cp, cuda_linears):
         ws[name] = st.register(name, info, raw)
     x = cp.asarray(np.random.default_rng(1).standard_normal((5, 576)).astype(np.float32))
     for w in ws.values():
-        gemm.linear(x[:1], w)
-        y = gemm.linear(x, w)
+        parts.lin.linear(x[:1], w)
+        y = parts.lin.linear(x, w)
         assert bool(cp.isfinite(y).all())
-    c = gemm.counters.counts
+    c = parts.counters.counts
     assert (c["q8_0_mv"], c["q8_0_f16"], c["q4_1_mv"], c["q4_1_f16"]) == (1, 1, 1, 1)

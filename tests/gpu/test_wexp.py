@@ -114,7 +114,7 @@ def test_planes_only_for_the_bundle_tensors(cp, cuda_linears):
     assert sorted(st.planes) == sorted(f"{n}__exp24x256" for n in
                                        ("blk.0.attn_v.weight", "blk.12.ffn_down.weight",
                                         "output.weight"))
-    assert expected_plane_bytes(table, st.settings) == 3 * 24 * 256 == st.plane_bytes
+    assert expected_plane_bytes(table, st.settings()) == 3 * 24 * 256 == st.plane_bytes
     assert plane_check(3 * 24 * 256, st.planes) is None
     assert st.bytes["q6_K padded"] == 6 * 24 * 224
     del ws                     # a plane lives as long as its weight
@@ -154,28 +154,28 @@ def test_geometry_encoded_names(cp, cuda_linears):
 
 def test_opt_out_registers_no_plane(cp, cuda_linears):
     from minfer.backend.cuda.weights import expected_plane_bytes
-    st, gemm = cuda_linears(exp_planes=False)         # what MINFER_MMQ_Q6K_EXP=0 sets
+    st, parts = cuda_linears(exp_planes=False)         # what MINFER_MMQ_Q6K_EXP=0 sets
     name = "output.weight"
     info = _info(name, 40, 512)
     w = st.register(name, info, _raw_q6k(40, 512))
     assert st.planes == {} and st.by_ptr == {} and st.plane_bytes == 0
-    assert expected_plane_bytes({name: info}, st.settings) == 0
+    assert expected_plane_bytes({name: info}, st.settings()) == 0
     x = cp.asarray(np.random.default_rng(9).standard_normal((5, 512)).astype(np.float32))
-    gemm.linear(x, w)
-    c = gemm.counters.counts
+    parts.lin.linear(x, w)
+    c = parts.counters.counts
     assert c["q6k exp=off"] == 1 and c["q6k exp"] == 0 and c["q6k fallback!"] == 0
 
 
 def test_forced_miss_counts_fallback_and_warns_once(cp, cuda_linears, capsys):
-    st, gemm = cuda_linears(force_exp_miss=True)      # what MINFER_TEST_FORCE_EXP_MISS=1 sets
+    st, parts = cuda_linears(force_exp_miss=True)      # what MINFER_TEST_FORCE_EXP_MISS=1 sets
     ws = [st.register(n, _info(n, 24, 768), _raw_q6k(24, 768, seed=i))
           for i, n in enumerate(("blk.0.attn_v.weight", "blk.0.ffn_down.weight"))]
     assert st.planes == {} and st.by_ptr == {} and st.plane_bytes == 0
     x = cp.asarray(np.random.default_rng(10).standard_normal((9, 768)).astype(np.float32))
     for w in ws:
-        y = gemm.linear(x, w)
+        y = parts.lin.linear(x, w)
         assert bool(cp.isfinite(y).all())
-    c = gemm.counters.counts
+    c = parts.counters.counts
     assert c["q6k fallback!"] == 2 and c["q6k exp"] == 0 and c["q6k exp=off"] == 0
     assert capsys.readouterr().err.count("WARNING: W_exp plane registration failed") == 1
 
@@ -190,18 +190,18 @@ def test_kept_f16_weights_give_the_dequantized_gemm_bit_for_bit(cp, cuda_linears
     info = _info(plane, od, id_)
     x = cp.asarray(np.random.default_rng(11).standard_normal((6, id_)).astype(np.float32))
     st0, g0 = cuda_linears()
-    want = cp.asnumpy(g0.linear(x, st0.register(plane, info, _raw_q6k(od, id_, seed=3))))
-    st, gemm = cuda_linears(f16_weights=True)
+    want = cp.asnumpy(g0.lin.linear(x, st0.register(plane, info, _raw_q6k(od, id_, seed=3))))
+    st, parts = cuda_linears(f16_weights=True)
     w = st.register(plane, info, _raw_q6k(od, id_, seed=3))
     assert st.f16_of(w) is not None and st.bytes["f16 weights"] == od * id_ * 2
-    got = cp.asnumpy(gemm.linear(x, w))
+    got = cp.asnumpy(parts.lin.linear(x, w))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    c = gemm.counters.counts
+    c = parts.counters.counts
     assert c["q6k f16 kept"] == 1 and c["q6k_f16"] == 1
     assert c["q6k exp"] == c["q6k raw"] == c["q6k fallback!"] == 0
-    assert all(w is None for w in gemm._f16w)      # the weight scratch was never needed
-    gemm.linear(x[:1], w)                          # a decode row still reads the q6_K blocks
-    assert gemm.counters.counts["q6k_mv"] == 1
+    assert all(w is None for w in parts.state._w16)      # the weight scratch was never needed
+    parts.lin.linear(x[:1], w)                          # a decode row still reads the q6_K blocks
+    assert parts.counters.counts["q6k_mv"] == 1
     del w
     import gc
     gc.collect()
