@@ -98,8 +98,8 @@ def copy_gbs(cp) -> float:
 
 
 def bench_matvec(cp) -> None:
-    from minfer.backend.cuda.int8 import quantize_q8_1
-    from minfer.backend.cuda.matvec import matvec, matvecs
+    from minfer.backend.cuda.kernels.quantize import quantize_q8_1
+    from minfer.backend.cuda.kernels.matvec import matvec, matvecs
 
     copy = copy_gbs(cp)
     print(f"device-to-device copy: {copy:,.0f} GB/s (read + write)")
@@ -136,9 +136,10 @@ def main() -> int:
     a = ap.parse_args()
     import cupy as cp
 
-    from minfer.backend.cuda.attention import FA_HD, flash_attention
+    from minfer.backend.cuda.kernels.decode_attn import FA_HD
+    from minfer.backend.cuda.kernels.flash_attn import flash_attention
     from minfer.backend.cuda.cublas import gemm_f16
-    from minfer.backend.cuda.f16 import dequant_f16
+    from minfer.backend.cuda.kernels.dequant_f16 import dequant_f16
 
     bench_matvec(cp)
     if a.matvec_only:

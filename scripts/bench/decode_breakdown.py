@@ -47,9 +47,9 @@ def main() -> int:
     a = ap.parse_args()
     import cupy as cp
 
-    from minfer.backend.cuda import attention, int8, ops
+    from minfer.backend.cuda.kernels import argmax, decode_attn, dequant, norm, quantize, rope
     from minfer.backend.cuda.launch import DevicePos
-    from minfer.backend.cuda.matvec import matvec, matvecs, split_of
+    from minfer.backend.cuda.kernels.matvec import matvec, matvecs, split_of
     f = open_gguf(a.header, header_only=True)
     cfg = ModelConfig.from_gguf(f)
     d, kv, ff, hd = cfg.d_model, cfg.kv_dim, cfg.d_ff, cfg.head_dim
@@ -57,13 +57,13 @@ def main() -> int:
     n_ctx = max(depths) + 1
     x = cp.random.standard_normal((1, d), dtype=cp.float32)
     nw = cp.ones(d, cp.float32)
-    q8d = int8.quantize_q8_1(x)
-    table = cp.asarray(ops.rope_table(n_ctx, hd, cfg.rope_base))
+    q8d = quantize.quantize_q8_1(x)
+    table = cp.asarray(rope.rope_table(n_ctx, hd, cfg.rope_base))
     kc = cp.asarray(np.random.default_rng(0).standard_normal((n_ctx, cfg.n_head_kv, hd)).astype(np.float16))
     vc = kc.copy()
     q = cp.random.standard_normal((1, cfg.n_head, hd), dtype=cp.float32)
     k = cp.random.standard_normal((1, cfg.n_head_kv, hd), dtype=cp.float32)
-    a8 = int8.quantize_q8_1(q.reshape(1, -1))
+    a8 = quantize.quantize_q8_1(q.reshape(1, -1))
 
     weights: dict = {}
 
@@ -87,7 +87,7 @@ def main() -> int:
 
     combos = collections.Counter(layer_types(f))
     for (tq, tk, tv, to, tg, tu, td), n in combos.items():
-        add("rmsnorm -> q8_1", "norm", lambda: int8.rmsnorm_q8_1(x, nw, 1e-6), 2 * n)
+        add("rmsnorm -> q8_1", "norm", lambda: norm.rmsnorm_q8_1(x, nw, 1e-6), 2 * n)
         groups = collections.defaultdict(list)               # one launch per split (types shared)
         for t, od in ((tq, d), (tk, kv), (tv, kv)):
             groups[split_of(od)].append((t, w(t, od, d), od, None, None, None))
@@ -99,28 +99,28 @@ def main() -> int:
         segs = [(tg, w(tg, ff, d), ff, None, None, None), (tu, w(tu, ff, d), ff, None, None, None)]
         add("matvec gate+up", ("gu", tg), lambda: matvecs(*q8d, segs), n, 2 * segs[0][1].nbytes)
         g = cp.random.standard_normal((1, ff), dtype=cp.float32)
-        add("swiglu -> q8_1", "swiglu", lambda: int8.swiglu_q8_1(g, g), n)
-        h8 = int8.quantize_q8_1(g)
+        add("swiglu -> q8_1", "swiglu", lambda: quantize.swiglu_q8_1(g, g), n)
+        h8 = quantize.quantize_q8_1(g)
         add(f"matvec down {td.name} (+residual)", ("down", td), lambda td=td: matvec(td, *h8, w(td, d, ff), d, res=x),
             n, w(td, d, ff).nbytes)
     out_t = QT(f.tensors["output.weight"].qtype) if "output.weight" in f.tensors else QT(f.tensors["token_embd.weight"].qtype)
-    add("rmsnorm -> q8_1", "norm", lambda: int8.rmsnorm_q8_1(x, nw, 1e-6))
+    add("rmsnorm -> q8_1", "norm", lambda: norm.rmsnorm_q8_1(x, nw, 1e-6))
     add("LM head matvec", "head", lambda: matvec(out_t, *q8d, w(out_t, cfg.vocab_size, d), cfg.vocab_size),
         wbytes=w(out_t, cfg.vocab_size, d).nbytes)
     logits = cp.random.standard_normal((1, cfg.vocab_size), dtype=cp.float32)
-    add("argmax", "argmax", lambda: ops.argmax(logits))
+    add("argmax", "argmax", lambda: argmax.argmax(logits))
     tok = cp.asarray([5], cp.int32)
-    add("embedding row", "embed", lambda: int8.dequant_rows(QT.Q4_K, w(QT.Q4_K, cfg.vocab_size, d), d, tok))
+    add("embedding row", "embed", lambda: dequant.dequant_rows(QT.Q4_K, w(QT.Q4_K, cfg.vocab_size, d), d, tok))
 
     base = sum(times.values())
     print(f"{Path(a.header).name}: {cfg.n_layer} layers, d {d}, d_ff {ff}, {cfg.n_head}/{cfg.n_head_kv} heads")
     for depth in depths:
         pos = DevicePos(depth, cp.asarray([depth], cp.int32))
-        att = graph_ms(cp, lambda: attention.decode_attention(q, kc, vc, pos, new_kv=(k, k), cos_sin=table,
+        att = graph_ms(cp, lambda: decode_attn.decode_attention(q, kc, vc, pos, new_kv=(k, k), cos_sin=table,
                                                               neox=cfg.rope_neox, q8=a8)) * 1e3 * cfg.n_layer
         total = base + att
         # one launch a layer below the one-launch limit, else the splits and the combine
-        att_n = (1 if attention.decode_short(depth) else 2) * cfg.n_layer
+        att_n = (1 if decode_attn.decode_short(depth) else 2) * cfg.n_layer
         att_fam = f"attention + RoPE + KV store, combine to q8_1 @ {depth}"
         rows = sorted({**times, att_fam: att}.items(), key=lambda r: -r[1])
         print(f"\n| kernel family @ context {depth} | us/step | share | launches | GB/s |")

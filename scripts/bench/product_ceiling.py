@@ -97,7 +97,8 @@ def main(argv=None) -> int:
 
     import cupy as cp
 
-    from minfer.backend.cuda.attention import FA_HD, flash_attention
+    from minfer.backend.cuda.kernels.decode_attn import FA_HD
+    from minfer.backend.cuda.kernels.flash_attn import flash_attention
     from minfer.backend.cuda.cublas import best_kernels, gemm_f16
     from minfer.synth import header_7b_path
 
