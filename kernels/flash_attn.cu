@@ -82,8 +82,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const u16* smem_row)
                  : "r"(a));
 }
 
-// q: (T, n_head, 128) f16; k_cache, v_cache: (n_ctx, n_kv, 128) f16 with
-// positions 0 .. pos0+T-1 stored; o: (T, n_head*128) f32, or with o16 given the
+// The arguments (FA_ARGS, flash_common.cuh): q: (T, n_head, 128) f16; k_cache,
+// v_cache: (n_ctx, n_kv, 128) f16 with positions 0 .. pos0+T-1 stored; o: (T, n_head*128) f32, or with o16 given the
 // same values rounded to f16 there instead (cast_f32_f16's bits: the o
 // projection's GEMM operand, without the f32 round trip and the cast's launch).
 // scale_log2 = log2(e) / sqrt(128): probabilities are 2^(scale_log2 * (s - max)).
@@ -91,9 +91,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const u16* smem_row)
 //   linear block index picks the work item; spare blocks return at once);
 // block: FA_THREADS threads, FA_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(FA_THREADS, 2)
-flash_attn_f16(const u16* __restrict__ q, const u16* __restrict__ k_cache,
-               const u16* __restrict__ v_cache, float* __restrict__ o, u16* __restrict__ o16,
-               int T, int n_head, int n_kv, int pos0, float scale_log2) {
+flash_attn_f16(FA_ARGS) {
     GRID_DEPENDENCY();
     extern __shared__ __align__(16) u16 fa_smem[];
     u16* const Qs = fa_smem;                          // (FA_BQ rows, FA_LD)

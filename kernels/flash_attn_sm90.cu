@@ -105,9 +105,7 @@ __device__ __forceinline__ void fw_mma_o(float (&d)[64], const u32 (&a)[4], u64 
 // Arguments, grid and results as flash_attn_f16 (flash_attn.cu); block:
 // FW_THREADS threads, FA90_SMEM bytes of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(FW_THREADS, 2)
-flash_attn_f16_sm90(const u16* __restrict__ q, const u16* __restrict__ k_cache,
-                    const u16* __restrict__ v_cache, float* __restrict__ o, u16* __restrict__ o16,
-                    int T, int n_head, int n_kv, int pos0, float scale_log2) {
+flash_attn_f16_sm90(FA_ARGS) {
     GRID_DEPENDENCY();
     extern __shared__ __align__(16) u8 fw_smem[];
     const unsigned raw = (unsigned)__cvta_generic_to_shared(fw_smem);

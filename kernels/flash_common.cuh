@@ -7,6 +7,12 @@
 
 #define FA_NEG_INF (-__int_as_float(0x7f800000))
 
+// The arguments of both flash kernels (flash_attn.cu's flash_attn_f16 says what each is)
+#define FA_ARGS                                                                           \
+    const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache, \
+    float* __restrict__ o, u16* __restrict__ o16, int T, int n_head, int n_kv, int pos0,      \
+    float scale_log2
+
 // f32 pair -> f16x2 (RNE) in one instruction, lo in the low half (= the lower k index)
 __device__ __forceinline__ u32 fa_pack_f16x2(float lo, float hi) {
     u32 r;

@@ -69,6 +69,37 @@ __device__ __forceinline__ void store_tile(float acc[4][4], float* __restrict__ 
     }
 }
 
+// The main loop both kernels run around their own staging and products, and the
+// store of the result. A warp owns 16 tokens x 32 rows of the block's 64 x 64
+// output tile (8 warps: 4 rows x 2 columns), a lane its place (g4, t4) in the
+// m16n8 fragments and 16 f32 accumulators. Tiles are staged MMQ_NST deep by
+// stage(kt, slot) (its cp.async copies one commit group a tile); each tile is
+// waited for (the next may still fly), tile kt + 2 staged, then
+// compute(slot, g4, t4, wrow, wcol, acc) adds the products of the tile that landed.
+template <class Stage, class Compute>
+__device__ __forceinline__ void mmq_main(int nkt, const Stage& stage, const Compute& compute,
+                                         float* __restrict__ y, const float* __restrict__ bias,
+                                         int T, int od, int m0, int n0) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g4 = lane / 4, t4 = lane % 4;
+    const int wrow = (warp % 4) * 16, wcol = (warp / 4) * 32;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+
+    stage(0, 0);
+    if (nkt > 1) stage(1, 1);
+    for (int kt = 0; kt < nkt; ++kt) {
+        if (kt + 1 < nkt) cp_wait1(); else cp_wait0();   // tile kt landed; kt+1 may fly
+        __syncthreads();
+        if (kt + 2 < nkt) stage(kt + 2, (kt + 2) % MMQ_NST);
+        compute(kt % MMQ_NST, g4, t4, wrow, wcol, acc);
+    }
+    store_tile(acc, y, bias, T, od, m0 + wrow + g4, n0 + wcol + 2 * t4);
+}
+
 // --------------------------------------------------------------------------- //
 // q4_K: 32-element sub-blocks, y += (d_a * d*sc_j) * dot(qa, qw) - (dmin*m_j) * s_a
 // (ggml vec_dot_q4_K_q8_1's algebra: W = d*sc*q - dmin*m, x = d_a*qa).
@@ -96,14 +127,12 @@ mmq_q4k(const i8* __restrict__ xq,      // (T, K) q8_1 values
 
     const int m0 = blockIdx.y * MMQ_BM, n0 = blockIdx.x * MMQ_BN;
     const size_t row_bytes = (size_t)(K / QK_K) * Q4K_BYTES;
-    const int nkt = K / TL::BK;
 
     auto stage = [&](int kt, int st) {
         const int k0 = kt * TL::BK, sb = k0 / QK_K, jbase = (k0 % QK_K) / 32;
         stage_a<KDR>(sA[st], xq, m0, T, K, k0);
         for (int g = threadIdx.x; g < MMQ_BN * TL::NC; g += MMQ_THREADS) {
-            const int jj = g / TL::NC, cc = g % TL::NC;
-            const int j = n0 + jj;
+            const int jj = g / TL::NC, cc = g % TL::NC, j = n0 + jj;
             uint4 v = make_uint4(0, 0, 0, 0);              // rows past od stage as zeros
             if (j < od) {
                 // sub-block js = low (even) / high (odd) nibbles of qs[32*(js/2) .. +32]
@@ -137,22 +166,8 @@ mmq_q4k(const i8* __restrict__ xq,      // (T, K) q8_1 values
         }
     };
 
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int g4 = lane / 4, t4 = lane % 4;
-    const int wrow = (warp % 4) * 16, wcol = (warp / 4) * 32;
-    float acc[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
-
-    stage(0, 0);
-    if (nkt > 1) stage(1, 1);
-    for (int kt = 0; kt < nkt; ++kt) {
-        if (kt + 1 < nkt) cp_wait1(); else cp_wait0();
-        __syncthreads();
-        if (kt + 2 < nkt) stage(kt + 2, (kt + 2) % MMQ_NST);
-        const int st = kt % MMQ_NST;
+    mmq_main(K / TL::BK, stage, [&](const int st, const int g4, const int t4, const int wrow, const int wcol,
+                             float (&acc)[4][4]) {
 #pragma unroll 1
         for (int c = 0; c < KDR; ++c) {                  // not unrolled (left from a register squeeze; untuned)
             const float da0 = sDa[st][(wrow + g4) * KDR + c], da1 = sDa[st][(wrow + g4 + 8) * KDR + c];
@@ -176,8 +191,7 @@ mmq_q4k(const i8* __restrict__ xq,      // (T, K) q8_1 values
                 acc[i][3] += (da1 * dw1) * (float)dot[3] - mw1 * sa1;
             }
         }
-    }
-    store_tile(acc, y, bias, T, od, m0 + wrow + g4, n0 + wcol + 2 * t4);
+    }, y, bias, T, od, m0, n0);
 }
 
 // --------------------------------------------------------------------------- //
@@ -202,8 +216,7 @@ mmq_q6k_bt(const i8* __restrict__ xq,      // (T, K) q8_1 values
            const u8* __restrict__ Wp,      // (od, K/256*224) padded block_q6_K rows
            const i8* __restrict__ Wexp,    // (od, K) W_exp plane (EXP=true only)
            const float* __restrict__ bias, // (od,) or nullptr
-           float* __restrict__ y,          // (T, od)
-           int T, int od, int K) {
+           float* __restrict__ y, int T, int od, int K) {   // y (T, od)
     GRID_DEPENDENCY();
     typedef Tile<KDR> TL;
     __shared__ __align__(16) i8 sA[MMQ_NST][MMQ_BM * TL::SROW];
@@ -211,9 +224,8 @@ mmq_q6k_bt(const i8* __restrict__ xq,      // (T, K) q8_1 values
     __shared__ float sDa[MMQ_NST][MMQ_BM * KDR];       // d_a per (token, chunk)
     __shared__ float sDw[MMQ_NST][MMQ_BN * 2 * KDR];   // d*sc_s per (row, sub-block)
 
-    const int m0 = blockIdx.y * MMQ_BM, n0 = blockIdx.x * MMQ_BN;
     const size_t row_bytes = (size_t)(K / QK_K) * Q6K_PADDED;
-    const int nkt = K / TL::BK;
+    const int m0 = blockIdx.y * MMQ_BM, n0 = blockIdx.x * MMQ_BN;
 
     auto stage = [&](int kt, int st) {
         const int k0 = kt * TL::BK, sb = k0 / QK_K, cbase = (k0 % QK_K) / 32;
@@ -263,22 +275,8 @@ mmq_q6k_bt(const i8* __restrict__ xq,      // (T, K) q8_1 values
         }
     };
 
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int g4 = lane / 4, t4 = lane % 4;
-    const int wrow = (warp % 4) * 16, wcol = (warp / 4) * 32;
-    float acc[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
-
-    stage(0, 0);
-    if (nkt > 1) stage(1, 1);
-    for (int kt = 0; kt < nkt; ++kt) {
-        if (kt + 1 < nkt) cp_wait1(); else cp_wait0();   // tile kt landed; kt+1 may fly
-        __syncthreads();
-        if (kt + 2 < nkt) stage(kt + 2, (kt + 2) % MMQ_NST);
-        const int st = kt % MMQ_NST;
+    mmq_main(K / TL::BK, stage, [&](const int st, const int g4, const int t4, const int wrow, const int wcol,
+                             float (&acc)[4][4]) {
 #pragma unroll
         for (int c = 0; c < KDR; ++c) {
             const float da0 = sDa[st][(wrow + g4) * KDR + c], da1 = sDa[st][(wrow + g4 + 8) * KDR + c];
@@ -301,8 +299,7 @@ mmq_q6k_bt(const i8* __restrict__ xq,      // (T, K) q8_1 values
                 }
             }
         }
-    }
-    store_tile(acc, y, bias, T, od, m0 + wrow + g4, n0 + wcol + 2 * t4);
+    }, y, bias, T, od, m0, n0);
 }
 
 #ifdef MINFER_SASS_INSTANTIATE
