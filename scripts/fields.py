@@ -18,10 +18,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-from minfer.backend.cuda.settings import CudaSettings      # (imports without cupy)
+from minfer.backend.cuda.settings import LOAD_TIME, CudaSettings      # (imports without cupy)
 from minfer.errors import MinferError
 
-LOAD_TIME = frozenset({"exp_planes", "f16_weights", "force_exp_miss"})
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
