@@ -156,7 +156,7 @@ def check_perplexity(fixtures_dir):
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory) -> Path:
     """Where minfer.synth.synth_model caches its models: $MINFER_CACHE when set
-    (kept across runs and shared with scripts/golden.py), else one temporary
+    (kept across runs and shared with scripts/check/golden.py), else one temporary
     directory for the session, so each model is written once per session."""
     d = os.environ.get("MINFER_CACHE")
     return Path(d) if d else tmp_path_factory.mktemp("synth")
