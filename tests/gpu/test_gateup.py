@@ -6,7 +6,7 @@ and the one on f16 weights (which also dequantizes the next layer's pair):
         order, and the f16 roundings after it)
     against the f16 engine's chain (dequantize gate and up, one cuBLAS GEMM with
         f16 output, swiglu_f16 over its column blocks): the same bits, which is what
-        keeps a greedy stream the same with the kernels on or off (scripts/gpu_check.sh
+        keeps a greedy stream the same with the kernels on or off (scripts/check/gpu_check.sh
         compares the 7B twin's on prompts that take them)
     the f16 kernel's next-layer dequantization: the bits of dequant_f16, and no
         change to its own output

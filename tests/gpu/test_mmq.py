@@ -211,7 +211,7 @@ def test_matvec_vs_reference(cp, cq, qtype, n_out, K):
     _check_gemm(qtype, raw, x, _matvec(cp, cq, qtype, raw, x, bias), bias)
 
 
-# --- real weights cut from the 1.5B model (scripts/cut_real_slices.py) ------- #
+# --- real weights cut from the 1.5B model (tests/tools/cut_real_slices.py) ------- #
 
 @pytest.fixture(scope="module")
 def real():

@@ -167,7 +167,7 @@ def test_opt_out_registers_no_plane(cp, cuda_linears):
 
 
 def test_forced_miss_counts_fallback_and_warns_once(cp, cuda_linears, capsys):
-    st, parts = cuda_linears(force_exp_miss=True)      # what MINFER_TEST_FORCE_EXP_MISS=1 sets
+    st, parts = cuda_linears(force_exp_miss=True)      # every plane registration fails
     ws = [st.register(n, _info(n, 24, 768), _raw_q6k(24, 768, seed=i))
           for i, n in enumerate(("blk.0.attn_v.weight", "blk.0.ffn_down.weight"))]
     assert st.planes == {} and st.by_ptr == {} and st.plane_bytes == 0

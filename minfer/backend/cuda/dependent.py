@@ -96,7 +96,8 @@ def _launch_ex():
             fn = lib.cuLaunchKernelEx
         except (OSError, AttributeError) as e:
             raise MinferError(f"dependent kernel launches need the CUDA driver's cuLaunchKernelEx "
-                              f"({e}); set MINFER_PDL=0 to launch the ordinary way") from None
+                              f"({e}): a driver for CUDA 12.0 or later, or MINFER_CUDA_GRAPHS=0 "
+                              f"(they happen only inside CUDA graphs)") from None
         fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                        ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         fn.restype = ctypes.c_int

@@ -5,7 +5,7 @@ formats, tile sizes, threads per block) is defined once, in KERNEL_CONSTANTS,
 and reaches every compilation as a -D define; the .cu files refuse to compile
 without them (kernels/common.cuh), so the two sides cannot drift apart. Only
 launch.py calls this module; nothing else touches RawModule objects. Importing
-it needs no cupy (scripts/sass_check.py reads the defines for nvcc).
+it needs no cupy (scripts/check/sass_check.py reads the defines for nvcc).
 """
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ def _encoder():
         try:
             fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
         except (OSError, AttributeError) as e:
-            raise MinferError(f"the Hopper kernels need the CUDA driver's cuTensorMapEncodeTiled ({e}); "
-                              f"set MINFER_GATEUP_FUSED=0 to run without them") from None
+            raise MinferError(f"the Hopper kernels need the CUDA driver's cuTensorMapEncodeTiled ({e}): "
+                              f"a driver for CUDA 12.0 or later") from None
         fn.restype = ctypes.c_int
         _encode = fn
     return _encode
