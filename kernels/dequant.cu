@@ -1,6 +1,6 @@
 // Dequantize selected rows (the embedding lookup): W (rows, row_bytes), tok (T,)
 // int32 -> y (T, n) f32, y[t] = dequant(W[tok[t]]). Bit-identical to
-// minfer.quants.dequantize_rows (= gguf.quants): the same f32 operations in the
+// minfer.format.quants.dequantize_rows (= gguf.quants): the same f32 operations in the
 // same order, each rounded on its own (__fmul_rn/__fsub_rn forbid FMA contraction).
 // Grid (ceil(n/THREADS_1D), T), one thread per output element.
 #include "common.cuh"

@@ -1,7 +1,7 @@
 // Whole-weight dequantization to fp16 for the cuBLAS prefill path (backend/cuda/kernels/dequant_f16.py):
 // W (n_out, n_in) quantized -> W16 (n_out, n_in) f16, then x16 @ W16^T on tensor
 // cores. Each output is the f32 value of the NumPy reference (gguf.quants /
-// minfer.quants, ggml's dequantize_row_q4_K / _q6_K) rounded to f16 (RNE):
+// minfer.format.quants, ggml's dequantize_row_q4_K / _q6_K) rounded to f16 (RNE):
 //   q4_K: y = (d*sc) * q - (dmin*m)      q in 0..15,  sc/m 6-bit per 32 elements
 //   q6_K: y = (d*sc) * q                 q in -32..31, sc int8 per 16 elements
 // Every product and the difference is rounded separately (__fmul_rn/__fsub_rn)

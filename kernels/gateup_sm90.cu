@@ -269,13 +269,13 @@ __device__ __forceinline__ void gu_consume(u8* sm, u32 s_ring, u32 s_full, u32 s
 // The tile of work unit b (gateup_swiglu_q4k: block b): units 0 .. n_full-1 are whole
 // tiles 0 .. n_full-1 (64 features x 256 tokens), each later unit half of one of the
 // remaining tiles (128 tokens), so a last wave that would hold few whole tiles holds
-// twice as many half tiles instead (kernels/gateup_sm90.py's tiling decides n_full). Tiles are
-// numbered by 256-token row first, then feature block: the blocks running at once
-// cover a few feature blocks for every row, whose weight rows and X fit in L2;
-// numbered the other way, they covered one row and 132 feature blocks, and every row
-// read the whole weight from memory again (the f16 kernel at 3,325 tokens now reads
-// 690 MB from DRAM for its 272 MB of weights, measured with ncu). A half tile may
-// start past the prompt's end (m0 >= T).
+// twice as many half tiles instead (the wrapper's tiling decides n_full:
+// minfer/backend/cuda/kernels/gateup_sm90.py). Tiles are numbered by 256-token row
+// first, then feature block: the blocks running at once cover a few feature blocks for
+// every row, whose weight rows and X fit in L2; numbered the other way, they covered
+// one row and 132 feature blocks, and every row read the whole weight from memory again
+// (the f16 kernel at 3,325 tokens now reads 690 MB from DRAM for its 272 MB of weights,
+// measured with ncu). A half tile may start past the prompt's end (m0 >= T).
 struct GuTile { bool whole; int f0, m0; };
 
 __device__ __forceinline__ GuTile gu_tile(int b, int n_full, int T) {

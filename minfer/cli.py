@@ -8,7 +8,7 @@ keeps its traceback.
 Text input (-p, --system, -f FILE, -f - for stdin) must be UTF-8: anything else
 is an error naming the input and the byte offset (no replacement characters:
 the tokens would silently differ from the text). Escape sequences in -p are
-processed as llama.cpp does (minfer/escapes.py; --no-escape keeps them as
+processed as llama.cpp does (minfer/text/escapes.py; --no-escape keeps them as
 written); files, stdin and --system are taken as written. Prompt files are read up to
 MAX_TEXT_BYTES. When the reader of stdout goes away (`minfer generate ... | head
 -c 5`) the command stops quietly with status 141, which is what a shell reports
@@ -23,7 +23,7 @@ import os
 import sys
 
 from .errors import MinferError
-from .escapes import process_escapes
+from .text.escapes import process_escapes
 
 MAX_TEXT_BYTES = 64 << 20      # prompt and perplexity files: 64 MiB
 # --backend's choices, checked when the arguments are parsed: minfer.backend.BACKENDS,
@@ -33,7 +33,7 @@ EXIT_SIGPIPE = 128 + 13        # the shell's status for a process killed by SIGP
 
 # subcommands that live in their own modules, each with add_arguments(parser) and
 # main(args) -> int | None; imported only when invoked
-EXTENSIONS = {"bench": "minfer.bench", "twin": "minfer.twin"}
+EXTENSIONS = {"bench": "minfer.tools.bench", "twin": "minfer.tools.twin"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,7 +132,7 @@ def _stdout_closed() -> int:
 # --- generate -----------------------------------------------------------------
 def cmd_generate(args) -> int:
     from .engine import Engine, ModelFile
-    from .prompt import check_fits, prompt_ids
+    from .text.prompt import check_fits, prompt_ids
 
     prompt = _prompt_text(args)
     system = _arg_text(args.system, "--system")
@@ -163,7 +163,7 @@ def cmd_generate(args) -> int:
 
 # --- tokenize -----------------------------------------------------------------
 def cmd_tokenize(args) -> int:
-    from .tokenizer import open_tokenizer
+    from .text.tokenizer import open_tokenizer
 
     text = _prompt_text(args)           # -p or -f: one of them, argparse made sure
     # the tokenizer part of the file only: vocabulary-only GGUFs tokenize too
@@ -224,7 +224,7 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print the version (and git commit) and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from .runinfo import version_line
+        from .tools.runinfo import version_line
         _out(version_line() + "\n")
         parser.exit(0)
 

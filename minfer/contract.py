@@ -1,6 +1,6 @@
 """The model contract: what a GGUF file must hold before anything is allocated for it.
 
-The header walk (minfer/gguf.py) bounds every length by the file's size; this
+The header walk (minfer/format/gguf.py) bounds every length by the file's size; this
 module bounds the values by what the model needs, in three checks, each failure
 one MinferError line naming the key or tensor:
 
@@ -11,7 +11,7 @@ one MinferError line naming the key or tensor:
                              special token ids, flags and the chat template's type;
                              one token per embedding row
   check_vocabulary(gf)       the same without a model: all that tokenizing needs
-                             (minfer.tokenizer.open_tokenizer; llama.cpp's
+                             (minfer.text.tokenizer.open_tokenizer; llama.cpp's
                              vocabulary-only GGUFs have no tensors and need not
                              have a config this graph can run)
 
@@ -26,7 +26,7 @@ import re
 
 from gguf import Keys, TokenType
 
-from . import quants
+from .format import quants
 from .errors import MinferError
 
 # Counts and dimensions index int32 on the device; anything larger is a lying header.
@@ -132,7 +132,7 @@ ROPE_FREQS = "rope_freqs.weight"
 def expected_tensors(cfg) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Every tensor the graph reads: GGUF name -> (numpy shape, required).
 
-    Numpy order, as minfer.gguf.TensorInfo.shape: a linear weight is (n_out, n_in).
+    Numpy order, as minfer.format.gguf.TensorInfo.shape: a linear weight is (n_out, n_in).
     `output.weight` is optional (absent: the LM head is token_embd, tied); so is a
     llama model's `rope_freqs.weight` (RoPE frequency factors, minfer/rope.py)."""
     d, V, ff = cfg.d_model, cfg.vocab_size, cfg.d_ff

@@ -18,7 +18,7 @@ from .errors import MinferError
 from .generate import Generation, complete
 from .graph.transformer import Transformer
 from .graph.weights import Weights, load_weights
-from .prompt import chat_ids, check_fits, prompt_ids, render_chat
+from .text.prompt import chat_ids, check_fits, prompt_ids, render_chat
 
 DEFAULT_MAX_CTX = 4096      # default context: the model's training context, capped here
 MAX_CTX = 2**31 - 1         # positions are int32 on the device; memory bounds it far sooner
@@ -28,9 +28,9 @@ MAX_CTX = 2**31 - 1         # positions are int32 on the device; memory bounds i
 class ModelFile:
     """The parts of a model that need no weights: enough to tokenize and to check a
     prompt before paying for the weight load."""
-    gf: Any                 # minfer.gguf.GGUFFile
+    gf: Any                 # minfer.format.gguf.GGUFFile
     cfg: ModelConfig
-    tokenizer: Any          # minfer.tokenizer.Tokenizer
+    tokenizer: Any          # minfer.text.tokenizer.Tokenizer
     n_ctx: int
 
     @classmethod
@@ -38,8 +38,8 @@ class ModelFile:
         """Map the file and check the model contract (minfer/contract.py) before the
         tokenizer is built or anything large is allocated."""
         from .contract import check_model
-        from .gguf import open_gguf
-        from .tokenizer import Tokenizer
+        from .format.gguf import open_gguf
+        from .text.tokenizer import Tokenizer
 
         path = Path(path)
         if not path.exists():
@@ -74,9 +74,9 @@ class Engine:
     for users; the parts (.cfg .tokenizer .backend .weights .model, new_cache())
     stay public for the tests, the benchmarks and the scripts.
     """
-    gf: Any                 # minfer.gguf.GGUFFile
+    gf: Any                 # minfer.format.gguf.GGUFFile
     cfg: ModelConfig
-    tokenizer: Any          # minfer.tokenizer.Tokenizer
+    tokenizer: Any          # minfer.text.tokenizer.Tokenizer
     backend: Backend
     weights: Weights
     model: Transformer

@@ -155,7 +155,7 @@ def check_perplexity(fixtures_dir):
 
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory) -> Path:
-    """Where minfer.synth.synth_model caches its models: $MINFER_CACHE when set
+    """Where minfer.tools.synth.synth_model caches its models: $MINFER_CACHE when set
     (kept across runs and shared with scripts/check/golden.py), else one temporary
     directory for the session, so each model is written once per session."""
     d = os.environ.get("MINFER_CACHE")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from minfer.synth import write_synthetic
+from minfer.tools.synth import write_synthetic
 
 TINY = dict(n_layer=1, d_model=256, n_head=2, n_head_kv=1, d_ff=512)
 
@@ -52,7 +52,7 @@ def _bench(capsys, tiny_model, *argv) -> tuple[int, str, str]:
 def _check_provenance(rec: dict) -> None:
     from datetime import datetime
 
-    from minfer.runinfo import git_commit, host_cpu, version
+    from minfer.tools.runinfo import git_commit, host_cpu, version
     assert rec["minfer_version"] == version() and rec["git_commit"] == git_commit()
     datetime.strptime(rec["timestamp"], "%Y-%m-%dT%H:%M:%SZ")           # ISO 8601, UTC
     assert rec["backend"] == "cpu" and rec["device"] == rec["cpu"] == host_cpu()
@@ -72,7 +72,7 @@ def test_bench_jsonl_and_csv_records(tiny_model, capsys):
     import csv
     import io
 
-    from minfer.bench import RECORD_KEYS
+    from minfer.tools.bench import RECORD_KEYS
     rc, out, _ = _bench(capsys, tiny_model, "-o", "jsonl")
     recs = [json.loads(line) for line in out.splitlines()]
     assert [r["test"] for r in recs] == ["pp8", "pp13", "tg2"]
@@ -89,7 +89,7 @@ def test_bench_jsonl_and_csv_records(tiny_model, capsys):
 
 
 def test_bench_md_names_what_made_it(tiny_model, capsys):
-    from minfer.runinfo import version
+    from minfer.tools.runinfo import version
     rc, out, _ = _bench(capsys, tiny_model, "-o", "md")
     first = out.splitlines()[0]
     assert first.startswith(f"minfer {version()}") and "| cpu on " in first and first.endswith("Z")
@@ -109,7 +109,7 @@ def test_bench_plot(tiny_model, capsys, tmp_path):
 def test_plot_a_saved_report(tiny_model, capsys, tmp_path):
     """A report saved with -o json (where matplotlib is missing: the GPU machine) drawn later."""
     pytest.importorskip("matplotlib")
-    from minfer.plot import main as plot_main
+    from minfer.tools.plot import main as plot_main
     rc, out, _ = _bench(capsys, tiny_model, "-o", "json")
     report = tmp_path / "r.json"
     report.write_text(out)
@@ -172,7 +172,7 @@ def test_bench_bad_input(tiny_model, capsys, argv, word):
 def test_format_report_device_rows():
     """The CUDA-only rows (memory by kind, planes beside their expected od x id sum,
     launch paths) render; a mismatch is shown as such."""
-    from minfer.bench import format_report
+    from minfer.tools.bench import format_report
     t = {"n_tokens": 4, "reps": 2, "seconds": [0.5, 0.25], "tok_s": [8.0, 16.0],
          "median": 12.0, "min": 8.0, "max": 16.0, "stdev": 5.66}
     r = {"model_name": "m.gguf", "size_bytes": 3 << 30, "params": 7_615_616_512, "backend": "cuda",

@@ -1,4 +1,4 @@
-"""The bounded chat-template sandbox (minfer/chat.py) beyond what the CLI fuzz cases
+"""The bounded chat-template sandbox (minfer/text/chat.py) beyond what the CLI fuzz cases
 show: the bounds hold off the main thread, leave the caller's tracer in place, and
 scale with the messages, so a long prompt still renders."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from minfer.chat import MAX_CHARS, apply_chat_template
+from minfer.text.chat import MAX_CHARS, apply_chat_template
 from minfer.errors import MinferError
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

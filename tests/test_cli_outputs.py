@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from minfer.cli import main
-from minfer.synth import write_synthetic
+from minfer.tools.synth import write_synthetic
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # the texts llama-tokenize was given with -p, and its ids, for the 7B's tokenizer
@@ -75,7 +75,7 @@ def test_one_token_prints_na_not_nan(tiny, capsys):
 
 
 def test_version():
-    from minfer.runinfo import version
+    from minfer.tools.runinfo import version
     r = minfer("--version")
     assert r.returncode == 0 and r.stderr == b""
     line = r.stdout.decode()
@@ -164,7 +164,7 @@ def test_backend_defaults_to_auto(cmd):
     if cmd == "bench":
         import argparse
 
-        from minfer import bench
+        from minfer.tools import bench
         p = argparse.ArgumentParser()
         bench.add_arguments(p)
         args = p.parse_args(["-m", "x"])

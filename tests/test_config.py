@@ -7,7 +7,7 @@ from gguf import GGUFWriter
 
 from minfer.config import ModelConfig
 from minfer.errors import MinferError
-from minfer.gguf import open_gguf
+from minfer.format.gguf import open_gguf
 
 
 def test_7b_header_config(header_7b):

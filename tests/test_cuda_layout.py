@@ -145,7 +145,7 @@ def test_gemm_path_rejects_unsupported_types():
 
 
 def test_plane_inventory_of_the_7b_header(header_7b):
-    from minfer.gguf import open_gguf
+    from minfer.format.gguf import open_gguf
     tensors = open_gguf(str(header_7b), header_only=True).tensors
     assert expected_plane_bytes(tensors, CudaSettings()) == PLANES_7B == 1_521_221_632
     assert expected_plane_bytes(tensors, CudaSettings(exp_planes=False)) == 0
@@ -156,7 +156,7 @@ def test_plane_inventory_of_the_7b_header(header_7b):
 def test_plane_check_fails_when_a_plane_is_missing(header_7b):
     """Planes standing in for the 7B's (host arrays of the same shapes): all of them
     pass the check, one fewer fails it, naming both byte counts."""
-    from minfer.gguf import open_gguf
+    from minfer.format.gguf import open_gguf
     tensors = open_gguf(str(header_7b), header_only=True).tensors
     shapes = {n: tuple(t.shape) for n, t in tensors.items() if is_plane_tensor(n, t.qtype, t.shape)}
     planes = {f"{n}__exp{od}x{id_}": np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), (od, id_), (0, 0))

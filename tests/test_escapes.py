@@ -1,11 +1,11 @@
-"""Escape processing of -p (minfer/escapes.py), case by case against llama.cpp's
+"""Escape processing of -p (minfer/text/escapes.py), case by case against llama.cpp's
 rules; the fixture texts given to llama-tokenize are checked in test_tokenizer.py
 and, through the command line, in test_front_door.py."""
 from __future__ import annotations
 
 import pytest
 
-from minfer.escapes import process_escapes
+from minfer.text.escapes import process_escapes
 
 
 @pytest.mark.parametrize("given, want", [

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from minfer import Engine, Generation, MinferError
-from minfer.synth import synth_model
+from minfer.tools.synth import synth_model
 
 N_CTX = 64
 

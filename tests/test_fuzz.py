@@ -552,9 +552,9 @@ def test_stdin_is_read_with_f_dash(good_models, capsys, tmp_path, monkeypatch):
 
 def test_a_synthetic_q4k_model_with_a_nan_scale(tmp_path, capsys, good_models):
     """A NaN in a quantized weight (a q4_K block's f16 scale) of a model written by
-    minfer.synth: generation stops with one line instead of emitting token 0 for ever."""
-    from minfer.gguf import open_gguf
-    from minfer.synth import write_synthetic
+    minfer.tools.synth: generation stops with one line instead of emitting token 0 for ever."""
+    from minfer.format.gguf import open_gguf
+    from minfer.tools.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "synth.gguf", n_layer=1, d_model=256, n_head=2, n_head_kv=1,
                            d_ff=256, tokenizer_from=good_models["qwen2"])
@@ -599,7 +599,7 @@ TRUNCATE_SCRIPT = """
 import os, sys
 from minfer.engine import Engine
 from minfer.generate import generate
-from minfer.gguf import GGUFError
+from minfer.format.gguf import GGUFError
 path = sys.argv[1]
 engine = Engine.load(path, progress=False, n_ctx=64)
 os.truncate(path, 0)                      # the file shrinks under the run

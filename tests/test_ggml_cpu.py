@@ -112,7 +112,7 @@ def test_the_setting_and_the_types_it_takes(synth_dir, monkeypatch):
     ggml_cpu does not reproduce (the synthetic qwen2: Q4_K, Q6_K), is one MinferError."""
     from minfer.backend import math_setting
     from minfer.engine import Engine
-    from minfer.synth import synth_model
+    from minfer.tools.synth import synth_model
     assert math_setting({}) == "f32" and math_setting({"MINFER_CPU_MATH": " GGML "}) == "ggml"
     with pytest.raises(MinferError, match="MINFER_CPU_MATH='fast'"):
         math_setting({"MINFER_CPU_MATH": "fast"})

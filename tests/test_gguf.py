@@ -12,7 +12,7 @@ from gguf import (GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFReader
                   GGUFWriter, Keys)
 from gguf.quants import dequantize, quantize
 
-from minfer.gguf import GGUFError, TensorInfo, open_gguf
+from minfer.format.gguf import GGUFError, TensorInfo, open_gguf
 
 Q = GGMLQuantizationType
 V = GGUFValueType

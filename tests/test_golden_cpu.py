@@ -20,7 +20,7 @@ def engine(synth_dir):
     if not GOLDEN:
         pytest.skip("no golden files in tests/golden yet (made on the GPU: python3 -m scripts.check.golden --update)")
     from minfer.engine import Engine
-    from minfer.synth import synth_model
+    from minfer.tools.synth import synth_model
 
     recs = [json.loads(p.read_text(encoding="utf-8")) for p in GOLDEN]
     # the engine's default context only sizes new_cache(); the longest stream fits

@@ -78,7 +78,7 @@ def test_free_running_greedy_agrees_with_llama_cpp(real_engine, greedy_cases):
 def test_chat_template_renders_the_fixture_chat_prompt(real_model_path, greedy_cases):
     """The GGUF's own template (jinja2 sandbox) around a system + user message gives
     exactly the chat-form prompt the llama.cpp fixture was generated from."""
-    from minfer.chat import apply_chat_template
+    from minfer.text.chat import apply_chat_template
     from minfer.engine import ModelFile
 
     case = next(c for c in greedy_cases if c["prompt"].startswith("<|im_start|>"))

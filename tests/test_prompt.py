@@ -1,4 +1,4 @@
-"""minfer.prompt.prompt_ids on the 7B header's tokenizer (DeepSeek-R1-Distill-Qwen:
+"""minfer.text.prompt.prompt_ids on the 7B header's tokenizer (DeepSeek-R1-Distill-Qwen:
 adds a BOS, and its chat template writes the BOS text itself).
 
 The expected chat prompts are written out here from the template's output
@@ -9,9 +9,9 @@ import pytest
 from gguf import Keys
 
 from minfer.errors import MinferError
-from minfer.gguf import open_gguf
-from minfer.prompt import prompt_ids
-from minfer.tokenizer import Tokenizer
+from minfer.format.gguf import open_gguf
+from minfer.text.prompt import prompt_ids
+from minfer.text.tokenizer import Tokenizer
 
 K = Keys.Tokenizer
 BOS = "<｜begin▁of▁sentence｜>"

@@ -1,4 +1,4 @@
-"""minfer.quants and minfer.quantize against independent truth:
+"""minfer.format.quants and minfer.format.quantize against independent truth:
 gguf.quants.dequantize (random blocks and the real model's tensors), error bounds
 of the quantizers, and the host half of the W_exp byte-exactness check: an
 independent scalar mirror written from the q6_K format vs
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from minfer import quants
+from minfer.format import quants
 from minfer.backend.cuda.q6k_layout import Q6K_PADDED, expand_q6k_dense, pad_q6k
 from minfer.errors import MinferError
-from minfer.quantize import quantize
+from minfer.format.quantize import quantize
 
 ALL = sorted(quants.SUPPORTED, key=lambda t: t.name)
 
@@ -122,7 +122,7 @@ def test_bad_input_is_a_minfer_error():
 @pytest.fixture(scope="module")
 def real_gguf(real_model_path):
     # the project's loader (gguf.GGUFReader takes ~11 s on this file's vocabulary)
-    from minfer.gguf import open_gguf
+    from minfer.format.gguf import open_gguf
     gf = open_gguf(real_model_path)
     yield gf
     gf.close()
@@ -152,7 +152,7 @@ def test_dequantize_real_model_bit_exact(real_gguf):
 @pytest.mark.model
 def test_dequantize_smollm2_bit_exact(smollm2_path):
     # the llama model's types: Q4_1 layer weights, the Q8_0 embedding (also its LM head)
-    from minfer.gguf import open_gguf
+    from minfer.format.gguf import open_gguf
     with open_gguf(smollm2_path) as gf:
         names = ["token_embd.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight",
                  "blk.29.ffn_gate.weight", "blk.29.attn_output.weight"]

@@ -1,4 +1,4 @@
-"""What a run record names (minfer/runinfo.py): version, git commit, host CPU, time."""
+"""What a run record names (minfer/tools/runinfo.py): version, git commit, host CPU, time."""
 from __future__ import annotations
 
 import re
@@ -6,7 +6,7 @@ import subprocess
 from importlib.metadata import version as dist_version
 
 import minfer
-from minfer import runinfo
+from minfer.tools import runinfo
 
 
 def test_version_is_the_installed_one_and_the_packages():

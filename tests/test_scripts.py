@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from minfer.errors import MinferError
-from minfer.synth import write_synthetic
+from minfer.tools.synth import write_synthetic
 from scripts import fields
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,8 +231,8 @@ def test_product_ceiling_flop_and_bad_input():
     """scripts/bench/product_ceiling.py: its products' FLOP on the 7B header are 2·T times
     the element count of the header's layer linears (counted here from the tensor
     table); bad -p / -r exit 2 with one line, before any GPU work."""
-    from minfer.gguf import open_gguf
-    from minfer.synth import header_7b_path
+    from minfer.format.gguf import open_gguf
+    from minfer.tools.synth import header_7b_path
     from scripts.bench import product_ceiling
     gf = open_gguf(str(header_7b_path()), header_only=True)
     try:

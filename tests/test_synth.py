@@ -1,8 +1,8 @@
 """Synthetic models and the 7B twin: layout, determinism, valid quant blocks.
 
-Independent truths: the 7B header's own tensor table (read by minfer.gguf),
+Independent truths: the 7B header's own tensor table (read by minfer.format.gguf),
 gguf.quants.dequantize for the blocks, and the table of expected types written
-out below (not taken from minfer.synth).
+out below (not taken from minfer.tools.synth).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from minfer.gguf import open_gguf
-from minfer.synth import draw_rows, header_7b_path, tensor_bytes, write_synthetic
+from minfer.format.gguf import open_gguf
+from minfer.tools.synth import draw_rows, header_7b_path, tensor_bytes, write_synthetic
 
 # the type each tensor of the small model must have
 SPEC_TYPES = {
@@ -118,7 +118,7 @@ def test_synthetic_forward_cpu(synth_pair):
 def test_synth_model_is_written_once(tmp_path):
     """synth_model names the file by every parameter and reuses it: a second call
     does not write again."""
-    from minfer.synth import synth_model
+    from minfer.tools.synth import synth_model
     params = dict(n_layer=1, d_model=256, n_head=2, n_head_kv=1, d_ff=512, seed=5, arch="qwen2")
     path = synth_model(tmp_path, params)
     assert path.name == "synth-qwen2-L1-d256-h2-1-f512-s5.gguf"
@@ -162,7 +162,7 @@ TWIN_FILLED = ["blk.5.ffn_down.weight",      # q6_K 3584x18944: several row chun
 
 @pytest.fixture(scope="module")
 def twin_partial(tmp_path_factory, header_7b):
-    from minfer.twin import make_twin
+    from minfer.tools.twin import make_twin
     out = tmp_path_factory.mktemp("twin") / "twin.gguf"
     return make_twin(header_7b, out, seed=3, workers=2, tensors=TWIN_FILLED, progress=False)
 
@@ -196,7 +196,7 @@ def test_twin_data(twin_partial):
 
 def test_twin_verify_catches_corruption(twin_partial, header_7b, tmp_path):
     from minfer.errors import MinferError
-    from minfer.twin import verify_twin
+    from minfer.tools.twin import verify_twin
     verify_twin(twin_partial, header_7b, seed=3, filled=TWIN_FILLED)
     with pytest.raises(MinferError):          # wrong seed: the rows do not match their draw
         verify_twin(twin_partial, header_7b, seed=4, filled=TWIN_FILLED, n_rows=len(TWIN_FILLED))

@@ -16,10 +16,10 @@ import pytest
 from gguf import Keys, TokenType
 
 from minfer.errors import MinferError
-from minfer.escapes import process_escapes
-from minfer.gguf import open_gguf
-from minfer.pretokenizers import PRE_TOKENIZERS
-from minfer.tokenizer import Tokenizer, open_tokenizer
+from minfer.text.escapes import process_escapes
+from minfer.format.gguf import open_gguf
+from minfer.text.pretokenizers import PRE_TOKENIZERS
+from minfer.text.tokenizer import Tokenizer, open_tokenizer
 
 K = Keys.Tokenizer
 # the parametrizations need the fixture files at collection time, before any fixture
@@ -33,7 +33,7 @@ SMOLLM2_FIXTURE = json.loads((FIXTURES / "tokenizer_smollm2-135m.json").read_tex
 
 def llama_cpp_unescape(text: str) -> str:
     """What llama-tokenize does to its prompt before tokenizing (escape processing,
-    on by default; minfer.escapes, which `minfer tokenize/generate -p` use too): the
+    on by default; minfer.text.escapes, which `minfer tokenize/generate -p` use too): the
     fixture texts were passed through it, so `printf("%d\\n")` in a fixture was
     tokenized with a real newline."""
     return process_escapes(text.encode("utf-8")).decode("utf-8")

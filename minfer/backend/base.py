@@ -56,7 +56,7 @@ class Backend(ABC):
     @abstractmethod
     def load_weight(self, name: str, info, raw: np.ndarray) -> Any:
         """Register one GGUF tensor. raw: uint8 (rows, row_bytes) host view of the
-        file bytes (info: minfer.gguf.TensorInfo). Returns the handle the graph
+        file bytes (info: minfer.format.gguf.TensorInfo). Returns the handle the graph
         passes back to the ops below (for 1-D tensors: a float32 vector)."""
 
     @abstractmethod
@@ -202,7 +202,7 @@ class Backend(ABC):
           cuda_driver   the CUDA version the driver supports ("12.8")
           cuda_runtime  the CUDA runtime version the backend runs on ("12.9")
         This default describes the host CPU; a device backend overrides it."""
-        from ..runinfo import host_cpu
+        from ..tools.runinfo import host_cpu
         return {"device": host_cpu(), "driver": None, "cuda_driver": None, "cuda_runtime": None}
 
     # --- end of use ---------------------------------------------------------------

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .. import quants, rope
+from ..format import quants
+from .. import rope
 from ..config import ModelConfig
 from ..errors import MinferError
 from .base import Backend

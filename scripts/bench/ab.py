@@ -34,7 +34,7 @@ import json
 import statistics
 import sys
 
-from minfer.bench import prompt_ids, time_prefill
+from minfer.tools.bench import prompt_ids, time_prefill
 from minfer.errors import MinferError
 from scripts import fields as settings_fields
 

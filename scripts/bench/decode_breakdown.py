@@ -8,8 +8,8 @@ The shapes and each layer's weight types come from a GGUF header (default: the
 7B's). Each launch is captured 20 times in a CUDA graph and the replay timed
 (scripts/bench/bench_ops.py graph_ms), so a row is one launch's device time including
 its share of the graph's per-kernel cost; the launches are the ones the CUDA
-backend issues for one token (minfer/backend/cuda/gemm.py: norm_linears, ffn;
-backend.py: rope_attention). Random weights with finite scales. Printed per
+backend issues for one token (minfer/backend/cuda/linears.py: norm_linears; ffn.py;
+attention_block.py). Random weights with finite scales. Printed per
 kernel family: us per step, share, launches per step, and GB/s where the launch
 streams weights; then the sum beside the tokens/s it implies.
 """
@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from minfer.config import ModelConfig
-from minfer.gguf import open_gguf
+from minfer.format.gguf import open_gguf
 from scripts.bench.bench_ops import graph_ms, random_weight
 
 ROOT = Path(__file__).resolve().parents[2]

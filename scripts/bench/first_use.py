@@ -30,7 +30,7 @@ TEXT = ROOT / "tests" / "fixtures" / "perplexity_gpl3.txt"
 def prompt_of(tokenizer, text: str, n: int) -> tuple[str, int]:
     """The longest prefix of text (repeated until long enough) of at most n tokens,
     and its token count (as `minfer generate` counts them: the model's BOS rule)."""
-    from minfer.prompt import prompt_ids
+    from minfer.text.prompt import prompt_ids
     count = lambda t: len(prompt_ids(tokenizer, t))                     # noqa: E731
     while count(text) < n:
         text = text + "\n" + text

@@ -3,7 +3,7 @@
 
     python3 -m scripts.bench.gemm_paths [-t 8,16,32,64,128,256,512] [-r 9]
 
-Times the CUDA backend's linear (minfer/backend/cuda/gemm.py) on the 7B's layer shapes (q4_K attn_q/attn_k/
+Times the CUDA backend's linear (minfer/backend/cuda/linears.py) on the 7B's layer shapes (q4_K attn_q/attn_k/
 ffn_gate, q6_K attn_v/ffn_down with their W_exp planes) at each token count,
 once with every GEMM forced onto MMQ and once onto the f16 path, interleaved
 rep by rep (CUDA events, medians), two ways: one eager call on an idle device
@@ -21,8 +21,8 @@ import sys
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from minfer import quants
-from minfer.gguf import TensorInfo
+from minfer.format import quants
+from minfer.format.gguf import TensorInfo
 
 # (name, type, n_out, n_in, per layer) of DeepSeek-R1-Distill-Qwen-7B
 SHAPES = (("blk.0.attn_q.weight", QT.Q4_K, 3584, 3584, 2),     # attn_q + attn_output
@@ -51,7 +51,7 @@ def main() -> int:
     from minfer.backend.cuda.settings import CudaSettings
     from minfer.backend.cuda.state import RunState
     from minfer.backend.cuda.weights import WeightStore
-    from minfer.quantize import quantize
+    from minfer.format.quantize import quantize
     ts = [int(t) for t in a.tokens.split(",")]
     rng = np.random.default_rng(0)
     settings = now = CudaSettings.from_env()      # `now`: the settings the linears read

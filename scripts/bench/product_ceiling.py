@@ -7,7 +7,7 @@ its repetitions, so the GPU is timed at the clock its power limit leaves it.
 
 Shapes from a GGUF header (default: the bundled DeepSeek-R1-Distill-Qwen-7B one).
 Per layer, the products through cuBLASLt with the shapes and output types of the
-backend's f16 engine (minfer/backend/cuda/gemm.py): q/k/v as one GEMM with an f32
+backend's f16 engine (minfer/backend/cuda/linears.py): q/k/v as one GEMM with an f32
 output, o added to an f32 residual (beta = 1), gate/up as one GEMM with an f16
 output, down added to the residual; f16 weights (seeded Gaussian, std 1/sqrt(n_in),
 one set per layer, so no layer finds the last one's weights in L2), f32
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from minfer.bench import parse_lengths
+from minfer.tools.bench import parse_lengths
 from minfer.errors import MinferError
 
 MODES = ("products", "products + attention")
@@ -39,7 +39,7 @@ MODES = ("products", "products + attention")
 
 def shapes(path) -> dict:
     from minfer.config import ModelConfig
-    from minfer.gguf import open_gguf
+    from minfer.format.gguf import open_gguf
     gf = open_gguf(str(path), header_only=True)
     try:
         cfg = ModelConfig.from_gguf(gf)
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     from minfer.backend.cuda.kernels.decode_attn import FA_HD
     from minfer.backend.cuda.kernels.flash_attn import flash_attention
     from minfer.backend.cuda.cublas import best_kernels, gemm_f16
-    from minfer.synth import header_7b_path
+    from minfer.tools.synth import header_7b_path
 
     s = shapes(args.model or header_7b_path())
     L, d, kv, f, T_max = s["n_layer"], s["d"], s["kv"], s["d_ff"], max(lengths)

@@ -25,7 +25,7 @@ def main() -> int:
         return 0
     import minfer
     from minfer import Engine
-    from minfer.synth import synth_model
+    from minfer.tools.synth import synth_model
 
     model = synth_model(sys.argv[1] if len(sys.argv) > 1 else "/tmp/minfer-cache")
     print(f"minfer {minfer.__version__} from {minfer.__file__}")

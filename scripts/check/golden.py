@@ -6,7 +6,7 @@
     python3 -m scripts.check.golden --report FILE          # re-run, write streams + launch counters (tests)
     python3 -m scripts.check.golden --set force_exp_miss=1 # the same under CUDA settings (scripts/fields.py)
 
-A synthetic qwen2 model (minfer.synth.SMALL_MODEL, fixed seed; the same arguments
+A synthetic qwen2 model (minfer.tools.synth.SMALL_MODEL, fixed seed; the same arguments
 give the same bytes) is generated once into --model-dir, then each fixed prompt is
 greedily decoded on the CUDA backend with EOS ignored. n_predict starts at
 N_PREDICT and grows by 16 until the text is at least MIN_CHARS characters (the
@@ -28,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 
-from minfer.synth import SMALL_MODEL, synth_model
+from minfer.tools.synth import SMALL_MODEL, synth_model
 from scripts import fields as settings_fields
 
 ROOT = Path(__file__).resolve().parents[2]

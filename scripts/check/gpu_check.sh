@@ -100,14 +100,14 @@ else
 fi
 
 # 6. short benchmark: prefill 512 and 3325 tokens, 32 decode steps, on the synthetic model
-SYNTH=$(python3 -c "from minfer.synth import synth_model; print(synth_model('$MINFER_CACHE'))" 2>"$LOG/bench.log")
-if [ -f minfer/bench.py ] && [ -n "$SYNTH" ]; then
+SYNTH=$(python3 -c "from minfer.tools.synth import synth_model; print(synth_model('$MINFER_CACHE'))" 2>"$LOG/bench.log")
+if [ -f minfer/tools/bench.py ] && [ -n "$SYNTH" ]; then
     timeout 150 python3 -m minfer bench -m "$SYNTH" -p 512,3325 -r ${BENCH_REPS:-3} -n 32 >>"$LOG/bench.log" 2>&1
     rc=$?
     pp=$(grep -E '\| pp512 \|' "$LOG/bench.log" | head -1 | awk -F'|' '{print $(NF-1)}')
     [ $rc = 0 ] && record bench ok "pp512 ${pp} t/s (synthetic L3 d512)" || record bench FAIL "see bench.log"
 else
-    record bench FAIL "no minfer/bench.py or no synthetic model"
+    record bench FAIL "no minfer/tools/bench.py or no synthetic model"
 fi
 # 7. attention alone at the 7B's shapes (28 query / 4 KV heads, hd 128), CUDA events:
 #    the path the backend takes at head dim 128 (f16 KV cache, K/V store, q's cast,

@@ -55,7 +55,7 @@ grep -iE "satisfied: (cupy|nvidia|cuda)" "$LOG/install.log" | sed 's/ in .*//' |
 
 # 2. minfer generate, no backend flag
 cd /tmp
-SYNTH=$(python3 -c "from minfer.synth import synth_model; print(synth_model('$CACHE'))")
+SYNTH=$(python3 -c "from minfer.tools.synth import synth_model; print(synth_model('$CACHE'))")
 python3 -m minfer --version
 python3 -m minfer generate -m "$SYNTH" -p 'def fibonacci(n):' -n 16 --ignore-eos \
     >"$LOG/generate.txt" 2>&1

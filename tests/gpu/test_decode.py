@@ -156,7 +156,7 @@ def test_argmax_first_maximum_and_finite_flag(cp, n):
 @pytest.fixture(scope="module")
 def engine(synth_dir):
     from minfer.engine import Engine
-    from minfer.synth import synth_model
+    from minfer.tools.synth import synth_model
     return Engine.load(synth_model(synth_dir), backend="cuda", n_ctx=256, progress=False)
 
 

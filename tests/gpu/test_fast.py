@@ -97,7 +97,7 @@ def test_dequant_q4k_random_blocks(n_out, n_in):
 
 def test_dequant_q4k_quantized_weights():
     import cupy as cp
-    from minfer.quantize import quantize
+    from minfer.format.quantize import quantize
     fp = _fast()
 
     rng = np.random.default_rng(4)
@@ -305,7 +305,7 @@ def test_linear_f16(qtype, use_exp):
     float64 on the same two f16 operands, bound as in test_gemm_f16."""
     import cupy as cp
     from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
-    from minfer.quantize import quantize
+    from minfer.format.quantize import quantize
     fp = _fast()
 
     T, n_out, n_in = 45, 320, 1280

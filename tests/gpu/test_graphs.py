@@ -17,7 +17,7 @@ GATEUP_Q4K = "gateup_swiglu_q4k"          # the gate/up + SwiGLU kernel on q4_K,
 @pytest.fixture(scope="module")
 def engine(synth_dir):
     from minfer.engine import Engine
-    from minfer.synth import synth_model
+    from minfer.tools.synth import synth_model
     return Engine.load(synth_model(synth_dir), backend="cuda", n_ctx=700, progress=False)
 
 

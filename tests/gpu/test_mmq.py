@@ -1,7 +1,7 @@
 """The quantized-weight kernels vs NumPy references (kernels/{quantize,mmq,matvec,
 dequant}.cu through minfer/backend/cuda/kernels/).
 
-The independent truth: minfer.quants (bit-exact to gguf.quants, tested in CI) for
+The independent truth: minfer.format.quants (bit-exact to gguf.quants, tested in CI) for
 the weights, a NumPy mirror of ggml's quantize_q8_1 for the activations, float64
 matrix products. Every output buffer is poisoned with NaN before the launch, so
 an element the kernel forgets to write fails the test.
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from minfer import quants
+from minfer.format import quants
 from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
-from minfer.gguf import TensorInfo
-from minfer.quantize import quantize
+from minfer.format.gguf import TensorInfo
+from minfer.format.quantize import quantize
 
 pytestmark = pytest.mark.gpu
 
@@ -334,8 +334,8 @@ def test_debug_counts_printed_at_exit(cp):
         "from minfer.backend.cuda.settings import CudaSettings\n"
         "from minfer.backend.cuda.state import RunState\n"
         "from minfer.backend.cuda.weights import WeightStore\n"
-        "from minfer.gguf import TensorInfo\n"
-        "from minfer.quantize import quantize\n"
+        "from minfer.format.gguf import TensorInfo\n"
+        "from minfer.format.quantize import quantize\n"
         "x = np.random.default_rng(7).standard_normal((9, 256)).astype(np.float32)\n"
         "raw = quantize(x[:5] * 0.01, QT.Q6_K)\n"
         "settings = CudaSettings.from_env(); st = WeightStore(lambda: settings)\n"

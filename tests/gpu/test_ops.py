@@ -240,7 +240,7 @@ def test_oom_is_one_line_minfer_error(cu, synth_dir, monkeypatch):
     from minfer.backend.cuda.weights import WeightStore
     from minfer.engine import Engine
     from minfer.errors import MinferError
-    from minfer.synth import synth_model
+    from minfer.tools.synth import synth_model
 
     be = CUDABackend(_small_cfg())
     with pytest.raises(MinferError) as ei:

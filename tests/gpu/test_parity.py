@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def engines(synth_dir):
     from minfer.engine import Engine
-    from minfer.synth import synth_model
+    from minfer.tools.synth import synth_model
     path = synth_model(synth_dir)                   # 3 layers, d 512, GQA 2:1, hd 128
     return (Engine.load(path, backend="cpu", n_ctx=1100, progress=False),
             Engine.load(path, backend="cuda", n_ctx=1100, progress=False))

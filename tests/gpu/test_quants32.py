@@ -128,7 +128,7 @@ def test_matvec_vs_reference(cp, qtype):
 def test_paths_are_counted(cp, cuda_linears):
     """A Q8_0 LM head and a Q4_1 layer weight: matvec at one row, the f16 engine
     (which the MMQ lacks) at many, each launch under its type's counter."""
-    from minfer.gguf import TensorInfo
+    from minfer.format.gguf import TensorInfo
     st, parts = cuda_linears()
     ws = {}
     for name, qt in (("output.weight", QT.Q8_0), ("blk.0.ffn_up.weight", QT.Q4_1)):

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from minfer import quants
+from minfer.format import quants
 from minfer.backend.cuda.q6k_layout import expand_q6k_dense, pad_q6k
-from minfer.gguf import TensorInfo
-from minfer.quantize import quantize
+from minfer.format.gguf import TensorInfo
+from minfer.format.quantize import quantize
 
 pytestmark = pytest.mark.gpu
 
@@ -126,7 +126,7 @@ def test_plane_check_fails_when_a_plane_is_missing(cuda_linears, synth_dir):
     """The backend's memory check sums od x id over the GGUF tensor table: with one
     registered plane dropped it must report the difference."""
     from minfer.engine import Engine
-    from minfer.synth import synth_model
+    from minfer.tools.synth import synth_model
     eng = Engine.load(synth_model(synth_dir), backend="cuda", n_ctx=16, progress=False)
     be = eng.backend
     check = be.memory_check(eng.gf.tensors)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import MinferError
-from ...quants import Q6K_BLOCK, QK_K, for_each_chunk, q6k_centered
+from ...format.quants import Q6K_BLOCK, QK_K, for_each_chunk, q6k_centered
 
 Q6K_PADDED = 224                           # 210 rounded up to a multiple of 16
 _CHUNK_BLOCKS = 4096                       # super-blocks per expansion chunk

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ... import quants
+from ...format import quants
 from ...errors import MinferError
 from .kernels.dequant import ROW_KERNELS
 from .kernels.dequant_f16 import dequant_f16
@@ -119,7 +119,7 @@ class WeightStore:
         self.f16_elems = 0                        # elements of the largest weight the f16 engine takes
 
     def register(self, name: str, info, raw: np.ndarray) -> GpuWeight:
-        """info: minfer.gguf.TensorInfo of a 2-D tensor; raw: uint8 (rows, row_bytes) host bytes."""
+        """info: minfer.format.gguf.TensorInfo of a 2-D tensor; raw: uint8 (rows, row_bytes) host bytes."""
         qtype = QT(info.qtype)
         shape = tuple(int(s) for s in info.shape)
         n_in = shape[-1]

@@ -1,5 +1,5 @@
 """kernels/dequant.cu: selected rows of a table (the embedding lookup) -> f32,
-bit-identical to minfer.quants.dequantize_rows; the 32-element group types through
+bit-identical to minfer.format.quants.dequantize_rows; the 32-element group types through
 quants32.cu's rows kernel.
 """
 from __future__ import annotations

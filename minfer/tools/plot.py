@@ -3,7 +3,7 @@ against prompt length (median, with the stdev as error bars and the median
 written at each point); beside it, when the report timed decoding at several KV
 depths (-d), decode tokens/s against depth.
 
-`python3 -m minfer.plot REPORT.json FILE.png` draws a report saved with
+`python3 -m minfer.tools.plot REPORT.json FILE.png` draws a report saved with
 `minfer bench -o json`, e.g. one measured on a machine without matplotlib.
 
 matplotlib is optional (minfer[plot]); only this module imports it, and only
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import MinferError
+from ..errors import MinferError
 
 
 def _figure_class():
@@ -63,7 +63,7 @@ def _panel(ax, x, y, err, xlabel: str, ylabel: str) -> None:
 
 
 def plot_throughput(r: dict, path) -> None:
-    """Write the picture of bench report r (minfer.bench.run) to path."""
+    """Write the picture of bench report r (minfer.tools.bench.run) to path."""
     Figure = _figure_class()
     pp = _series(r, "n_prompt", lambda t: t["n_prompt"] > 0)
     tg = _series(r, "n_depth", lambda t: t["n_gen"] > 0)
@@ -86,13 +86,13 @@ def plot_throughput(r: dict, path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python3 -m minfer.plot REPORT.json FILE.png`: the picture of a report saved
+    """`python3 -m minfer.tools.plot REPORT.json FILE.png`: the picture of a report saved
     with `minfer bench -o json` (a run on a machine without matplotlib, drawn here)."""
     import argparse
     import json
     import sys
 
-    ap = argparse.ArgumentParser(prog="python3 -m minfer.plot", description=main.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m minfer.tools.plot", description=main.__doc__.splitlines()[0])
     ap.add_argument("report", help="a `minfer bench -o json` report")
     ap.add_argument("output", help="the image to write (.png, .svg, .pdf)")
     args = ap.parse_args(argv)

@@ -4,7 +4,7 @@ and types.
 
 Two users: `write_synthetic` (a small qwen2/llama model for tests: real names,
 real quantization mix, the 7B's tokenizer; `synth_model` caches one by its
-parameters, e.g. SMALL_MODEL) and `minfer.twin` (the 7B's exact layout). Both draw tensor values through `draw_rows`, so a tensor's values are
+parameters, e.g. SMALL_MODEL) and `minfer.tools.twin` (the 7B's exact layout). Both draw tensor values through `draw_rows`, so a tensor's values are
 a function of (seed, tensor name, row block) only — independent of how the
 work is split between processes, and the same bytes on every run.
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, Keys, LlamaFileType
 
-from .errors import MinferError
-from .package_data import package_data_dir
-from .quantize import quantize
+from ..errors import MinferError
+from ..package_data import package_data_dir
+from ..format.quantize import quantize
 
 Q = GGMLQuantizationType
 HEADER_7B_NAME = "deepseek-r1-distill-qwen-7b-q4_k_m.header.gguf"
@@ -155,7 +155,7 @@ def write_synthetic(path, *, n_layer: int = 2, d_model: int = 512, n_head: int =
     key) of `tokenizer_from` (default: the bundled 7B header), seeded Gaussian
     weights (see the module docstring). Same arguments, same bytes.
     """
-    from .gguf import open_gguf
+    from ..format.gguf import open_gguf
 
     if arch not in ("qwen2", "llama"):
         raise MinferError(f"synthetic models: unsupported architecture {arch!r} (qwen2, llama)")

@@ -7,14 +7,14 @@ data at the header's offsets.
 Kernels see the real shapes, types and alignment, so throughput on the twin is
 the real model's throughput (models/README.md). The tensor data are the
 project's quantizers (fast mode) applied to seeded Gaussian values drawn by
-`minfer.synth.draw_rows` (norms near 1, small biases, linears std 1/sqrt(n_in)).
+`minfer.tools.synth.draw_rows` (norms near 1, small biases, linears std 1/sqrt(n_in)).
 
 How: the header bytes are copied verbatim (so metadata order, value types and
 the tensor table are identical by construction), the file is extended to its
 full size, and worker processes each draw + quantize a block-aligned row chunk
 of one tensor and `os.pwrite` it at its offset — no tensor is ever whole in
 memory and the parent never touches tensor data. Afterwards `verify_twin`
-re-opens the file with minfer.gguf, compares the table with the header's, and
+re-opens the file with minfer.format.gguf, compares the table with the header's, and
 dequantizes random rows with gguf.quants against a fresh draw.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MinferError
+from ..errors import MinferError
 from .synth import draw_rows, header_7b_path, rows_per_draw_block, tensor_bytes
 
 TWIN_NAME = "deepseek-r1-distill-qwen-7b-q4_k_m.twin.gguf"
@@ -38,7 +38,7 @@ TOLERANCE = {"F32": 0.0, "F16": 1e-3, "Q8_0": 0.01, "Q6_K": 0.04, "Q4_K": 0.12}
 
 
 def default_output() -> Path:
-    from .pull import models_dir
+    from ..pull import models_dir
     return models_dir() / TWIN_NAME
 
 
@@ -73,7 +73,7 @@ def _open_out(path: str, single_threaded: bool = False) -> None:
         # the process pool is the parallelism: the thread pool that quantize
         # chunks through (quants.for_each_chunk, up to 8 threads per call) would
         # oversubscribe the cores 8x
-        from . import quants
+        from ..format import quants
         quants.set_threads(1)
 
 
@@ -96,8 +96,8 @@ def make_twin(header_path=None, out_path=None, seed: int = 0, workers: int | Non
     bytes zero (the file is still complete and valid: zero k-quant blocks have d = 0);
     it exists for tests. Written to OUT.part, verified, then renamed.
     """
-    from .gguf import open_gguf
-    from .progress import bar as progress_bar
+    from ..format.gguf import open_gguf
+    from ..progress import bar as progress_bar
 
     header_path = Path(header_path) if header_path is not None else header_7b_path()
     out_path = Path(out_path) if out_path is not None else default_output()
@@ -152,7 +152,7 @@ def verify_twin(path, header_path, seed: int, filled=None, n_rows: int = 6) -> N
     a fresh draw while unfilled tensors are zero."""
     import gguf
 
-    from .gguf import open_gguf
+    from ..format.gguf import open_gguf
 
     hdr = open_gguf(str(header_path), header_only=True)
     tw = open_gguf(str(path))

@@ -4,7 +4,7 @@ Two vocabulary kinds (`tokenizer.ggml.model`):
 
   gpt2   byte-level BPE. The merges run in the `tokenizers` library; the
          pre-tokenizer is the regex list llama.cpp uses for `tokenizer.ggml.pre`
-         (minfer/pretokenizers.py), which may also set the BOS default and
+         (minfer/text/pretokenizers.py), which may also set the BOS default and
          ignore_merges.
   llama  SentencePiece-style BPE over scores, with <0xXX> byte fallback. The
          merges run in `sentencepiece` on a model proto built from the vocabulary.
@@ -32,7 +32,7 @@ from typing import Iterable
 
 from gguf import Keys, TokenType
 
-from .errors import MinferError
+from ..errors import MinferError
 from .pretokenizers import PRE_TOKENIZERS, PreTokenizer
 
 K = Keys.Tokenizer
@@ -147,7 +147,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gf) -> "Tokenizer":
-        """gf: a minfer.gguf.GGUFFile (anything with .metadata and .path)."""
+        """gf: a minfer.format.gguf.GGUFFile (anything with .metadata and .path)."""
         return cls(gf.metadata, path=str(gf.path))
 
     def _special_id(self, meta: dict, key: str, default: int | None = None) -> int | None:
@@ -313,8 +313,8 @@ def open_tokenizer(path) -> Tokenizer:
     ggml-vocab-*.gguf: metadata, no tensors, a config this graph may not run) and
     a header cut where tensor data starts (models/*.header.gguf). A model to run
     goes through engine.ModelFile.open, which checks the whole contract."""
-    from .contract import check_vocabulary
-    from .gguf import open_gguf
+    from ..contract import check_vocabulary
+    from ..format.gguf import open_gguf
 
     path = Path(path)
     if not path.exists():

@@ -54,7 +54,7 @@ import numpy as np
 from gguf import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, READER_SUPPORTED_VERSIONS,
                   GGMLQuantizationType, GGUFValueType, Keys)
 
-from .errors import MinferError
+from ..errors import MinferError
 
 GGML_MAX_DIMS = 4  # ggml.h; a GGUF tensor has 1..GGML_MAX_DIMS dimensions
 # ggml counts elements in int64_t; anything larger is a lying header.

@@ -3,7 +3,7 @@ chat template rendered around it (or around a list of messages)."""
 from __future__ import annotations
 
 from .chat import apply_chat_template
-from .errors import MinferError
+from ..errors import MinferError
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:

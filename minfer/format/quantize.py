@@ -1,6 +1,6 @@
 """Reference quantizers: NumPy ports of ggml's quantize_row_*_ref, used to write
-synthetic models (minfer.synth, minfer.twin) and test data. What they write
-dequantizes with minfer.quants (and gguf.quants) like ggml's own output.
+synthetic models (minfer.tools.synth, minfer.tools.twin) and test data. What they write
+dequantizes with minfer.format.quants (and gguf.quants) like ggml's own output.
 
     quantize(x, qtype, search=True)    float32 (rows, cols) -> uint8 (rows, row_bytes)
                                        for Q4_K, Q6_K, Q8_0, F16, F32 (QUANTIZERS)
@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from .errors import MinferError
+from ..errors import MinferError
 from .quants import K_SCALE_SIZE, Q6K_BLOCK, for_each_chunk, format_of, row_bytes
 
 GROUP_MAX_EPS = 1e-15                      # ggml: below this a group quantizes to zeros

@@ -13,9 +13,9 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import __version__
+from .. import __version__
 
-_CHECKOUT = Path(__file__).resolve().parents[1]      # the folder holding minfer/
+_CHECKOUT = Path(__file__).resolve().parents[2]      # the folder holding minfer/
 
 
 def version() -> str:

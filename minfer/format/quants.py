@@ -15,7 +15,7 @@ equal to gguf.quants.dequantize (float32 math in the same operation order).
 - `shape` is in numpy order (last dim = ggml ne[0] = the contiguous row).
 - Results are new, writable arrays (never views of a memmap).
 - Large inputs are processed in chunks of rows on a few threads (NumPy releases
-  the GIL); results do not depend on the chunking. minfer.quantize (the
+  the GIL); results do not depend on the chunking. minfer.format.quantize (the
   reference quantizers) chunks through the same pool.
 - Every format is one `_Format` entry of FORMATS (keyed by GGMLQuantizationType)
   with `dequantize_blocks((n_blocks, type_size) uint8) -> (n_blocks, block_size) f32`;
@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from .errors import MinferError
+from ..errors import MinferError
 
 QK_K = 256
 Q6K_BLOCK = GGML_QUANT_SIZES[QT.Q6_K][1]   # 210
@@ -284,7 +284,7 @@ def row_bytes(qtype, n_cols: int) -> int:
 
 def set_threads(n: int) -> None:
     """Threads each call that chunks through for_each_chunk may use (dequantize_rows,
-    minfer.quantize.quantize, ...); a process pool of workers sets 1."""
+    minfer.format.quantize.quantize, ...); a process pool of workers sets 1."""
     global _THREADS
     _THREADS = max(1, int(n))
 

@@ -30,7 +30,7 @@ from jinja2.runtime import str_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from .errors import MinferError
+from ..errors import MinferError
 
 TIME_LIMIT_S = 2.0
 MAX_CHARS = 4 << 20          # characters a template may add to its messages' text

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MinferError
+from ..errors import MinferError
 from .runinfo import git_commit, host_cpu, utc_timestamp, version
 
 DECODE_DEPTH = 16      # default tokens in the KV cache before the timed decode steps
@@ -98,7 +98,7 @@ def parse_lengths(s: str, flag: str = "-p") -> list[int]:
 
 
 def add_arguments(p) -> None:
-    from .cli import add_backend_arg, add_model_arg
+    from ..cli import add_backend_arg, add_model_arg
     add_model_arg(p)
     p.add_argument("-p", "--prompt-lengths", default="512,3325",
                    help="comma-separated prefill lengths (default 512,3325)")
@@ -127,7 +127,7 @@ def check_counts(reps: int, n_decode: int) -> None:
 
 def run(model, lengths: list[int], reps: int, n_decode: int, backend: str, seed: int = 0,
         depths: tuple[int, ...] = (DECODE_DEPTH,)) -> dict:
-    from .engine import Engine
+    from ..engine import Engine
 
     check_counts(reps, n_decode)
     n_ctx = max(max(lengths), max(depths) + n_decode)
@@ -292,7 +292,7 @@ def main(args) -> int:
     if args.plot:
         from .plot import check_plot_target
         check_plot_target(args.plot)        # now, not after minutes of measuring
-    from .cli import model_path
+    from ..cli import model_path
     lengths, depths = parse_lengths(args.prompt_lengths), tuple(parse_lengths(args.n_depth, "-d"))
     check_counts(args.reps, args.n_decode)            # bad input: before a first-use download
     r = run(model_path(args.model), lengths, args.reps, args.n_decode, args.backend, args.seed, depths)
