@@ -88,7 +88,8 @@ def get_backend(name: str, cfg: ModelConfig, announce: bool = False, settings: d
         return be
     if name == "cpu":
         if settings:
-            raise MinferError(f"settings {', '.join(settings)} are the CUDA backend's; the CPU backend has none")
+            raise MinferError(f"settings {', '.join(settings)} are the CUDA backend's; "
+                              f"the CPU backend has none")
         return cpu_backend(cfg)
     if name == "cuda":
         return _cuda(cfg, settings)

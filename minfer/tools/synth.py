@@ -4,8 +4,8 @@ and types.
 
 Two users: `write_synthetic` (a small qwen2/llama model for tests: real names,
 real quantization mix, the 7B's tokenizer; `synth_model` caches one by its
-parameters, e.g. SMALL_MODEL) and `minfer.tools.twin` (the 7B's exact layout). Both draw tensor values through `draw_rows`, so a tensor's values are
-a function of (seed, tensor name, row block) only — independent of how the
+parameters, e.g. SMALL_MODEL) and `minfer.tools.twin` (the 7B's exact layout).
+Both draw tensor values through `draw_rows`, so a tensor's values are a function of (seed, tensor name, row block) only — independent of how the
 work is split between processes, and the same bytes on every run.
 
 Scales are chosen so a random model behaves like a model: linear weights have

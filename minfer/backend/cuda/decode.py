@@ -1,28 +1,27 @@
-"""The greedy decode step on the device: one CUDA graph per KV cache, replayed one
-step ahead of the host.
+"""The greedy decode step on the device: one CUDA graph per KV cache, replayed one step
+ahead of the host.
 
 A step's input is a device buffer feed = [token, pos] that the kernels read (the
-embedding row, RoPE, the KV store, attention), and its last launch writes the
-step's greedy id into feed and advances pos (kernels/argmax.py's advance_feed). So once a step is
-queued, the next one can be queued at once, before the host has read this one's
-token: while the host reads token n and hands it back, the device is already
-computing step n + 1 from the token it produced itself. The host-side work of a
-step (Python, the copies, the wait) then overlaps the device's instead of
-adding to it.
+embedding row, RoPE, the KV store, attention), and its last launch writes the step's
+greedy id into feed and advances pos (kernels/argmax.py's advance_feed). So once a
+step is queued, the next one can be queued at once, before the host has read this
+one's token: while the host reads token n and hands it back, the device is already
+computing step n + 1 from the token it produced itself. The host-side work of a step
+(Python, the copies, the wait) then overlaps the device's instead of adding to it.
 
-The queued step (cache.queued) is used when the caller asks for exactly it (the token the
-device produced, at the next position), which is what greedy generation does;
-any other call (teacher forcing, a new prompt) queues a fresh step from the
-given token and position. The queued step has then written the KV row of
-its position, which every later use of that row overwrites before reading it
-(a step stores its own row before attending; a prefill stores its rows first).
-No step is queued past the cache's last position, nor across a change of graph
-key (the decode attention's one-launch limit, kernels/decode_attn.py's decode_short): the next
+The queued step (cache.queued) is used when the caller asks for exactly it (the
+token the device produced, at the next position), which is what greedy generation
+does; any other call (teacher forcing, a new prompt) queues a fresh step from the
+given token and position. The queued step has then written the KV row of its
+position, which every later use of that row overwrites before reading it (a step
+stores its own row before attending; a prefill stores its rows first). No step is
+queued past the cache's last position, nor across a change of graph key (the decode
+attention's one-launch limit, kernels/decode_attn.py's decode_short): the next
 position's graph may not exist yet.
 
 A cache's first step runs eagerly, its second is captured (graphs.py); from the
-third on, steps are replays. With graphs off (or after a failed capture) every
-step runs eagerly and nothing is queued.
+third on, steps are replays. With graphs off (or after a failed capture) every step
+runs eagerly and nothing is queued.
 """
 from __future__ import annotations
 
@@ -101,7 +100,7 @@ class DecodeRunner:
             cur = self._queue(rec, io, stream, key, token, pos)
         nxt_pos = pos + 1
         cache.queued = (self._queue(rec, io, stream, key, None, nxt_pos)
-                       if nxt_pos < cache.n_ctx and key_of(nxt_pos) == key else None)
+                        if nxt_pos < cache.n_ctx and key_of(nxt_pos) == key else None)
         cur.done.synchronize()
         nxt, finite = int(cur.host[0]), bool(cur.host[1])
         if cache.queued is not None:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from ...format import quants
 from ...errors import MinferError
+from ...format import quants
 from .kernels.dequant import ROW_KERNELS
 from .kernels.dequant_f16 import dequant_f16
 from .kernels.mmq import MMQ_TYPES
