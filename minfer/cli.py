@@ -132,6 +132,7 @@ def _stdout_closed() -> int:
 # --- generate -----------------------------------------------------------------
 def cmd_generate(args) -> int:
     from .engine import Engine, ModelFile
+    from .sampling import SamplingParams
     from .text.prompt import check_fits, prompt_ids
 
     prompt = _prompt_text(args)
@@ -140,6 +141,8 @@ def cmd_generate(args) -> int:
         raise MinferError("empty prompt: give some text with -p or -f")
     if args.n_predict < 0:
         raise MinferError(f"-n must be >= 0, got {args.n_predict}")
+    sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repeat_penalty=args.repeat_penalty, seed=args.seed)   # checked before any load
     model = _model_path(args)
     mf = ModelFile.open(model, args.ctx_size)
     ids = prompt_ids(mf.tokenizer, prompt, chat=args.chat, system=system)
@@ -149,7 +152,7 @@ def cmd_generate(args) -> int:
         engine.warmup()
     # --json: stdout is one JSON object at the end, nothing streamed before it
     gen = engine.generate(ids, args.n_predict, ignore_eos=args.ignore_eos,
-                          on_text=None if args.json else _out)
+                          on_text=None if args.json else _out, sampling=sampling)
     s = gen.stats
     if args.json:
         _out(json.dumps({"model": str(model), "backend": engine.backend.name, **gen.to_dict()},
@@ -251,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-escape", action="store_true",
                        help="take -p as written (default: process escapes like \\n, \\t, \\xHH as llama.cpp does)")
 
-    g = sub.add_parser("generate", help="greedy generation, streamed to stdout")
+    g = sub.add_parser("generate", help="generation (greedy by default), streamed to stdout")
     add_model_arg(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text (special tokens like <|im_start|> are parsed)")
@@ -264,6 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message for --chat")
     add_backend_arg(g)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    smp = g.add_argument_group("sampling (llama-cli's flags; the default --temp 0 is greedy)")
+    smp.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
+    smp.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
+    smp.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to probability p "
+                                                             "(default 1: off)")
+    smp.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least min-p times as likely as "
+                                                             "the most likely (default 0: off)")
+    smp.add_argument("--repeat-penalty", type=float, default=1.0,
+                     help="penalize the last 64 tokens (default 1: off)")
+    smp.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0); the same seed, the same text")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up run after load (short prefills and one decode step on a "
                         "throwaway cache, as llama.cpp's): the first prompt then pays the backend's "

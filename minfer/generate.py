@@ -1,4 +1,5 @@
-"""Greedy generation: prefill the prompt, then decode one token at a time (argmax)."""
+"""Generation: prefill the prompt, then decode one token at a time, greedy (the argmax
+taken on the backend) or drawn by minfer/sampling.py from the step's logits."""
 from __future__ import annotations
 
 import time
@@ -8,6 +9,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .errors import MinferError
+from .sampling import SamplingParams, sample
 
 
 def check_finite(logits: np.ndarray, where: str) -> None:
@@ -42,8 +44,8 @@ class GenerationStats:
 
 @dataclass
 class Generation:
-    """One greedy generation: what `Engine.generate` returns and `minfer generate
-    --json` prints."""
+    """One generation: what `Engine.generate` returns and `minfer generate --json`
+    prints."""
     prompt_ids: list[int]
     ids: list[int]              # the generated tokens (an end-of-generation token is not included)
     text: str                   # exactly the text streamed: the ids decoded, UTF-8 completed
@@ -65,12 +67,16 @@ class Generation:
 
 def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
              on_text: Callable[[str], None] | None = None,
-             stats: GenerationStats | None = None, cache=None) -> Iterator[int]:
-    """Yield up to n_predict greedy tokens after prompt_ids.
+             stats: GenerationStats | None = None, cache=None,
+             sampling: SamplingParams | None = None) -> Iterator[int]:
+    """Yield up to n_predict tokens after prompt_ids: greedy, or drawn as `sampling`
+    says (None or a greedy SamplingParams: the argmax).
 
     Stops early on any of the tokenizer's end-of-generation ids (unless
     ignore_eos) or when the context is full. on_text receives the decoded text
     piece by piece (UTF-8 sequences split across tokens are held back until whole).
+    A step that samples reads the step's logits back to the host (the greedy step
+    takes its argmax on the backend and reads back the id alone).
     """
     prompt = np.asarray(prompt_ids, dtype=np.int32)
     if prompt.size == 0:
@@ -92,12 +98,19 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
     pos = int(prompt.size)
     stats.stop = "max_tokens"
     t1 = time.perf_counter()
-    nxt = int(np.argmax(logits))
+    greedy = sampling is None or sampling.greedy
+    out: list[int] = []
+
+    def choose(logits, at: int) -> int:
+        return int(np.argmax(logits)) if greedy else sample(logits, sampling, at, prompt, out)
+
+    nxt = choose(logits, pos)
     for i in range(n_predict):
         if nxt in eog:
             stats.stop = "eog"
             break
         stats.n_generated += 1
+        out.append(nxt)
         if on_text is not None:
             piece = dec.push(nxt)
             if piece:
@@ -110,7 +123,12 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
             break
         if i == 0:
             t1 = time.perf_counter()                            # decode timing starts here
-        nxt = model.decode_greedy(nxt, pos, cache)              # the argmax is taken on the backend
+        if greedy:
+            nxt = model.decode_greedy(nxt, pos, cache)          # the argmax is taken on the backend
+        else:
+            logits = model.decode(nxt, pos, cache)              # (vocab,)
+            check_finite(logits, f"at position {pos}")
+            nxt = choose(logits, pos + 1)
         pos += 1
     stats.decode_s = time.perf_counter() - t1
     if on_text is not None:
@@ -120,7 +138,8 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
 
 
 def complete(engine, prompt_ids, max_tokens: int, ignore_eos: bool = False,
-             on_text: Callable[[str], None] | None = None, cache=None) -> Generation:
+             on_text: Callable[[str], None] | None = None, cache=None,
+             sampling: SamplingParams | None = None) -> Generation:
     """Run `generate` to its end -> Generation (ids, text, stop reason, timings).
     on_text still receives the text piece by piece as it is produced."""
     pieces: list[str] = []
@@ -132,6 +151,6 @@ def complete(engine, prompt_ids, max_tokens: int, ignore_eos: bool = False,
 
     stats = GenerationStats()
     ids = [int(i) for i in generate(engine, prompt_ids, max_tokens, ignore_eos=ignore_eos,
-                                    on_text=take, stats=stats, cache=cache)]
+                                    on_text=take, stats=stats, cache=cache, sampling=sampling)]
     return Generation(prompt_ids=[int(i) for i in np.asarray(prompt_ids).reshape(-1)], ids=ids,
                       text="".join(pieces), stats=stats)

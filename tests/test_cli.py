@@ -85,6 +85,31 @@ def test_unknown_backend_is_refused_when_parsing(tmp_path, argv):
     assert "missing.gguf" not in r.stderr
 
 
+@pytest.mark.parametrize("flags, match", [(["--temp", "-1"], "temperature=-1.0"), (["--top-p", "0"], "top_p=0.0"),
+                                          (["--top-k", "-3"], "top_k=-3"), (["--min-p", "2"], "min_p=2.0"),
+                                          (["--repeat-penalty", "0"], "repeat_penalty=0.0"),
+                                          (["--seed", "-5"], "seed=-5")])
+def test_bad_sampling_flags_are_refused_before_the_model_opens(tmp_path, flags, match):
+    r = minfer("generate", "-m", tmp_path / "missing.gguf", "-p", "hi", *flags)
+    assert_one_line_error(r, "sampling:", match)
+    assert "missing.gguf" not in r.stderr
+
+
+def test_seeded_sampling_from_the_command_line(synth_dir):
+    """--temp with a --seed: the same text each run (a fresh process each), another
+    seed other text; --temp 0 the greedy stream."""
+    from minfer.tools.synth import synth_model
+    path = synth_model(synth_dir)
+    run = lambda *f: minfer("generate", "-m", path, "--backend", "cpu", "-q", "-n", "12", "--ignore-eos",
+                            "--no-warmup", "-p", "def add(a, b):", *f)
+    a, a2, b = run("--temp", "1.5", "--seed", "3"), run("--temp", "1.5", "--seed", "3"), run("--temp", "1.5", "--seed", "4")
+    greedy, zero = run(), run("--temp", "0", "--seed", "3")
+    for r in (a, a2, b, greedy, zero):
+        assert r.returncode == 0, r.stderr
+    assert a.stdout == a2.stdout and a.stdout != b.stdout and a.stdout != greedy.stdout
+    assert zero.stdout == greedy.stdout
+
+
 def test_backend_choices_are_the_backends():
     from minfer.backend import BACKENDS
     from minfer.cli import BACKENDS as CHOICES

@@ -70,6 +70,18 @@ def test_warmup_leaves_no_trace(engine):
     assert engine.generate("The capital of France is", max_tokens=5, ignore_eos=True).ids == before
 
 
+def test_load_warms_up_unless_told_not_to(model_path, monkeypatch):
+    """Engine.load runs the warm-up before it returns (the first call then pays no
+    start-up), as `minfer generate` does; warmup=False leaves it to the caller."""
+    calls = []
+    real = Engine.warmup
+    monkeypatch.setattr(Engine, "warmup", lambda self: calls.append(self) or real(self))
+    with Engine.load(model_path, backend="cpu", n_ctx=N_CTX, progress=False) as eng:
+        assert calls == [eng]
+    with Engine.load(model_path, backend="cpu", n_ctx=N_CTX, progress=False, warmup=False):
+        assert len(calls) == 1
+
+
 def test_warmup_skips_lengths_past_the_context(model_path, monkeypatch):
     """A backend's warm-up lengths longer than the engine's context are left out (a
     one-token forward when none fits)."""
@@ -81,7 +93,9 @@ def test_warmup_skips_lengths_past_the_context(model_path, monkeypatch):
         eng.warmup()
         monkeypatch.setattr(eng.backend, "warmup_lengths", (256,))
         eng.warmup()
-    assert seen == [2, 1]             # the prefills (decode_greedy is not a forward): 2, then 1 (none fits)
+    # the prefills (decode_greedy is not a forward): 2, then 1 (none fits), each warm-up
+    # followed by the one-token prefill of the front door's cache before its decode steps
+    assert seen == [2, 1, 1, 1]
 
 
 def test_generation_stops_at_the_context(engine):
@@ -204,3 +218,23 @@ def test_auto_rule(engine, monkeypatch, capsys, fail, want):
     if fail:
         with pytest.raises(MinferError, match="head dimension 96"):
             backend.get_backend("cuda", engine.cfg)
+
+
+def test_sampling_with_a_seed_is_reproducible_and_temperature_zero_is_greedy(engine):
+    """A seed gives the same ids run after run; another seed other ids; temperature 0
+    (and SamplingParams() alone) the greedy stream; each draw from the step's own
+    logits (the first token's checked against a draw from engine.logits here)."""
+    from minfer import SamplingParams
+    from minfer.sampling import sample
+    prompt = engine.tokenize("def add(a, b):")
+    greedy = engine.generate(prompt, 12, ignore_eos=True)
+    assert engine.generate(prompt, 12, ignore_eos=True, sampling=SamplingParams()).ids == greedy.ids
+    p = SamplingParams(temperature=1.5, top_k=50, seed=9)
+    a = engine.generate(prompt, 12, ignore_eos=True, sampling=p)
+    assert a.ids == engine.generate(prompt, 12, ignore_eos=True, sampling=p).ids
+    b = engine.generate(prompt, 12, ignore_eos=True, sampling=SamplingParams(temperature=1.5, top_k=50, seed=10))
+    assert a.ids != b.ids and a.ids != greedy.ids
+    first = sample(engine.logits(prompt)[-1], p, len(prompt), prompt, [])
+    assert a.ids[0] == first
+    with pytest.raises(MinferError, match="SamplingParams"):
+        engine.generate(prompt, 2, sampling={"temperature": 1.0})

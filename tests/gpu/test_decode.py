@@ -280,3 +280,22 @@ def test_decode_rejects_bad_token_and_position(engine):
         engine.model.decode_greedy(engine.cfg.vocab_size, 0, cache)
     with pytest.raises(MinferError, match="does not fit"):
         engine.model.decode_greedy(1, 8, cache)
+
+
+def test_seeded_sampling_on_the_gpu(engine):
+    """A sampled generation on the GPU: the same seed the same ids, temperature 0 the
+    greedy stream, and each draw the reference sampler's on the step's own logits
+    (the first token's checked against the prefill's logits here)."""
+    from minfer import SamplingParams
+    from minfer.generate import complete
+    from minfer.sampling import sample
+    prompt = np.random.default_rng(12).integers(0, engine.cfg.vocab_size, 40).astype(np.int32)
+    greedy = complete(engine, prompt, 16, ignore_eos=True, cache=engine.new_cache())
+    zero = complete(engine, prompt, 16, ignore_eos=True, cache=engine.new_cache(), sampling=SamplingParams(seed=3))
+    assert zero.ids == greedy.ids
+    p = SamplingParams(temperature=1.2, top_p=0.9, seed=5)
+    a = complete(engine, prompt, 16, ignore_eos=True, cache=engine.new_cache(), sampling=p)
+    assert a.ids == complete(engine, prompt, 16, ignore_eos=True, cache=engine.new_cache(), sampling=p).ids
+    assert a.ids != greedy.ids
+    logits = engine.model.forward(prompt, 0, engine.new_cache())[-1]
+    assert a.ids[0] == sample(logits, p, len(prompt), prompt, [])
