@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "the most likely (default 0: off)")
     smp.add_argument("--repeat-penalty", type=float, default=1.0,
                      help="penalize the last 64 tokens (default 1: off)")
-    smp.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0); the same seed, the same text")
+    smp.add_argument("--seed", type=int, default=0,
+                     help="seed of the draws (default 0); the same seed, the same text")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up run after load (short prefills and one decode step on a "
                         "throwaway cache, as llama.cpp's): the first prompt then pays the backend's "
