@@ -242,35 +242,21 @@ def decisive():
 
 # --- the CUDA backend's weights and linears without a model ---------------------------------
 
-class CudaParts:
-    """The CUDA backend's weight store, run state, counters, linears and FFN, composed as
-    CUDABackend composes them, without a model: `settings` is the one settings object
-    (tests replace it), the environment is not read."""
+def _cuda_parts(settings):
+    """minfer.backend.cuda.parts.Parts (a test's RMSNorm eps), with layer(): a layer's
+    FFN weights as FFN reads them (graph/weights.py's LayerWeights)."""
+    from types import SimpleNamespace
 
-    def __init__(self, settings, eps: float = 1e-6):
-        from minfer.backend.cuda.counters import Counters
-        from minfer.backend.cuda.ffn import FFN
-        from minfer.backend.cuda.linears import Linears
-        from minfer.backend.cuda.state import RunState
-        from minfer.backend.cuda.weights import WeightStore
-        self.settings = settings
-        get = lambda: self.settings        # noqa: E731
-        self.store = WeightStore(get)
-        self.state = RunState(lambda: self.store.f16_elems)
-        self.counters = Counters()
-        self.lin = Linears(self.store, self.state, self.counters, get)
-        self.ffn = FFN(self.lin, self.state, self.counters, get, eps)
-
-    @staticmethod
-    def layer(gate, up, down, norm=None):
-        """A layer's FFN weights as FFN reads them (graph/weights.py's LayerWeights)."""
-        from types import SimpleNamespace
-        return SimpleNamespace(ffn_gate=gate, ffn_up=up, ffn_down=down, ffn_norm=norm)
+    from minfer.backend.cuda.parts import Parts
+    parts = Parts(settings, eps=1e-6)
+    parts.layer = lambda gate, up, down, norm=None: SimpleNamespace(ffn_gate=gate, ffn_up=up, ffn_down=down,
+                                                                    ffn_norm=norm)
+    return parts
 
 
 @pytest.fixture()
 def cuda_linears(monkeypatch):
-    """Factory: (**settings) -> (WeightStore, CudaParts) of the CUDA backend with the
+    """Factory: (**settings) -> (WeightStore, Parts) of the CUDA backend with the
     default CudaSettings changed by **settings, and the once-per-process plane-miss
     warning re-armed."""
     from minfer.backend.cuda import weights
@@ -278,6 +264,6 @@ def cuda_linears(monkeypatch):
     monkeypatch.setattr(weights, "_warned_miss", False)
 
     def make(**changes):
-        parts = CudaParts(CudaSettings(**changes))
+        parts = _cuda_parts(CudaSettings(**changes))
         return parts.store, parts
     return make

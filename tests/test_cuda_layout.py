@@ -327,3 +327,15 @@ def test_launcher_counts_by_kernel_name_and_replays_add_the_capture():
     assert "probe_kernel<3>" not in other.counts
     c.reset()
     assert c.counts == dict.fromkeys(LABELS, 0) and LAUNCHES["probe_kernel<3>"] >= 4
+
+
+def test_parts_read_one_settings_object():
+    """The parts a CUDA backend composes (parts.py) are built without a device, and
+    every one reads the one settings object: replacing it is what they all see."""
+    from minfer.backend.cuda.parts import Parts
+    p = Parts(CudaSettings(), eps=1e-6)
+    readers = (p.store.settings, p.lin._settings, p.ffn._settings, p.get)
+    assert all(r() is p.settings for r in readers)
+    p.settings = p.settings.replace(gateup_fused=False)
+    assert all(r() is p.settings and not r().gateup_fused for r in readers)
+    assert p.lin.counters is p.ffn.counters is p.counters and p.lin.state is p.ffn.state is p.state

@@ -46,20 +46,14 @@ def main() -> int:
     a = ap.parse_args()
     import cupy as cp
 
-    from minfer.backend.cuda.counters import Counters
-    from minfer.backend.cuda.linears import Linears
+    from minfer.backend.cuda.parts import Parts
     from minfer.backend.cuda.settings import CudaSettings
-    from minfer.backend.cuda.state import RunState
-    from minfer.backend.cuda.weights import WeightStore
     from minfer.format.quantize import quantize
     ts = [int(t) for t in a.tokens.split(",")]
     rng = np.random.default_rng(0)
-    settings = now = CudaSettings.from_env()      # `now`: the settings the linears read
-
-    def current():
-        return now
-    store = WeightStore(current)
-    st = Linears(store, RunState(lambda: store.f16_elems), Counters(), current)
+    settings = CudaSettings.from_env()
+    parts = Parts(settings, eps=1e-6)
+    store, st = parts.store, parts.lin
     ws = []
     for name, qt, n_out, n_in, n in SHAPES:
         x = (rng.standard_normal((n_out, n_in), dtype=np.float32) * 0.02)
@@ -104,7 +98,7 @@ def main() -> int:
             t = {k: [] for k in layer}
             for rep in range(a.reps + 2):                     # 2 warm-ups, then A B A B ...
                 for eng, min_t in (("mmq", 1 << 30), ("f16", 2)):
-                    now = settings.replace(f16_min_t=min_t)
+                    parts.settings = settings.replace(f16_min_t=min_t)
                     e, g = eager_ms(w, T), graph_ms(w, T)
                     if rep >= 2:
                         t["e_" + eng].append(e)

@@ -1,10 +1,10 @@
 """CUDABackend: every graph op on the GPU, activations f32 in cupy arrays.
 
-It composes the package's parts and holds the settings once (every part reads
-them through `settings`): the registered weights (weights.py), the run state
-(state.py), the counters (counters.py), the linears (linears.py), the two fused
-sub-blocks (attention_block.py, ffn.py), CUDA graphs (graphs.py) and the decode
-step (decode.py). Device out-of-memory becomes one MinferError line at one
+It composes the package's parts and holds the settings once (parts.py: every
+part reads the one settings object): the registered weights (weights.py), the run
+state (state.py), the counters (counters.py), the linears (linears.py), the two
+fused sub-blocks (attention_block.py, ffn.py), CUDA graphs (graphs.py) and the
+decode step (decode.py). Device out-of-memory becomes one MinferError line at one
 boundary, `guard`, which the engine wraps around loading and the graph around
 each forward. No host synchronisation inside a layer: nothing reads a device
 value back except `to_numpy` and `decode`.
@@ -21,18 +21,15 @@ from ...errors import MinferError
 from ..base import Backend, Timer
 from . import device
 from .attention_block import AttentionBlock
-from .counters import Counters
 from .decode import DecodeRunner
-from .ffn import FFN
 from .graphs import GraphRunner
 from .kernels import argmax, attention, decode_attn, elementwise, norm
 from .kernels.dequant import dequant_rows
 from .kv_cache import CudaCache
 from .launch import cp, device_cc, is_oom, require_cupy
-from .linears import Linears
+from .parts import Parts
 from .settings import LOAD_TIME, CudaSettings
-from .state import RunState
-from .weights import WeightStore, expected_plane_bytes, plane_check
+from .weights import expected_plane_bytes, plane_check
 
 
 class CUDABackend(Backend):
@@ -55,38 +52,35 @@ class CUDABackend(Backend):
         if cfg.head_dim == decode_attn.FA_HD and cfg.n_head // cfg.n_head_kv > decode_attn.DEC_MAX_G:
             raise MinferError(f"{cfg.n_head // cfg.n_head_kv} query heads per KV head: the CUDA decode "
                               f"attention takes at most {decode_attn.DEC_MAX_G}")
-        self._settings = settings or CudaSettings.from_env()
-        get = lambda: self._settings     # noqa: E731 - every part reads the one settings object
-        self.store = WeightStore(get)
-        self.state = RunState(lambda: self.store.f16_elems)
-        self.launches = Counters(self._settings.print_launch_counts)
-        self.lin = Linears(self.store, self.state, self.launches, get)
-        self.ffn_block = FFN(self.lin, self.state, self.launches, get, cfg.rms_eps)
-        self.attn_block = AttentionBlock(cfg, self.lin, self.state, get)
+        self.parts = p = Parts(settings or CudaSettings.from_env(), cfg.rms_eps)
+        self.store, self.state, self.launches = p.store, p.state, p.counters
+        self.lin, self.ffn_block = p.lin, p.ffn
+        self.attn_block = AttentionBlock(cfg, p.lin, p.state, p.get)
         # programmatic dependent launches exist from compute capability 9.0 (Hopper) on
         hopper = device_cc() >= (9, 0)
         self.graphs = GraphRunner(self.launches, self.state.keep_alive,
-                                  lambda: hopper and self._settings.dependent_launches)
-        self.decoder = DecodeRunner(self.graphs, lambda: self._settings.graphs and not self.graphs.failed)
+                                  lambda: hopper and p.settings.dependent_launches)
+        self.decoder = DecodeRunner(self.graphs, lambda: p.settings.graphs and not self.graphs.failed)
 
     # --- settings --------------------------------------------------------------
     @property
     def settings(self) -> CudaSettings:
-        return self._settings
+        return self.parts.settings
 
     @contextlib.contextmanager
     def using(self, **changes):
         """Run with some settings replaced (tests, A/B scripts), restored afterwards.
         The load-time ones (settings.LOAD_TIME) cannot change after load."""
-        late = [k for k in changes if k in LOAD_TIME and changes[k] != getattr(self._settings, k)]
+        p = self.parts
+        late = [k for k in changes if k in LOAD_TIME and changes[k] != getattr(p.settings, k)]
         if late:
             raise MinferError(f"{', '.join(late)}: read when the weights load; pass it to Engine.load")
-        old = self._settings
-        self._settings = old.replace(**changes)
+        old = p.settings
+        p.settings = old.replace(**changes)
         try:
-            yield self._settings
+            yield p.settings
         finally:
-            self._settings = old
+            p.settings = old
 
     # --- the out-of-memory boundary ------------------------------------------------
     @contextlib.contextmanager
@@ -95,7 +89,7 @@ class CUDABackend(Backend):
             yield
         except Exception as e:
             if is_oom(e):
-                raise device.oom_error(what, self._settings, self.store) from None
+                raise device.oom_error(what, self.settings, self.store) from None
             raise
 
     # --- weights and state ---------------------------------------------------
@@ -114,7 +108,7 @@ class CUDABackend(Backend):
             raise MinferError(f"context size must be positive, got {max_tokens}")
         what = f"allocating the KV cache for {max_tokens} tokens"
         if CudaCache.nbytes_for(self.cfg, max_tokens) > cp.cuda.runtime.memGetInfo()[0]:
-            raise device.oom_error(what, self._settings, self.store)   # before the host builds its RoPE table
+            raise device.oom_error(what, self.settings, self.store)   # before the host builds its RoPE table
         with self.guard(what):
             cache = CudaCache(self.cfg, max_tokens)
             self.state.rope(max_tokens, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
@@ -188,9 +182,9 @@ class CUDABackend(Backend):
         A decode step queued on this cache is dropped: this work rewrites rows it
         read, so its token is no longer the one a fresh step would give."""
         cache.queued = None
-        if not self._settings.graphs or self.graphs.failed or x.shape[0] == 1:
+        if not self.settings.graphs or self.graphs.failed or x.shape[0] == 1:
             return fn(x)
-        return self.graphs.run(cache.graphs, (key, self._settings), fn, x)
+        return self.graphs.run(cache.graphs, (key, self.settings), fn, x)
 
     def decode(self, cache, step, token: int, pos: int) -> tuple[int, bool]:
         """step(token, pos) on the device, token and position in a device buffer that
@@ -203,7 +197,7 @@ class CUDABackend(Backend):
         # a step's graph replays at the positions of its key: those on the same side of
         # the decode attention's one-launch limit (decode_attn.decode_short)
         return self.decoder.decode(cache, step, token, pos,
-                                   lambda p: (("decode", decode_attn.decode_short(p)), self._settings))
+                                   lambda p: (("decode", decode_attn.decode_short(p)), self.settings))
 
     # --- measurement -----------------------------------------------------------
     def device_info(self) -> dict[str, str | None]:
@@ -242,6 +236,6 @@ class CUDABackend(Backend):
         return m
 
     def memory_check(self, tensors) -> dict:
-        expected = expected_plane_bytes(tensors, self._settings)
+        expected = expected_plane_bytes(tensors, self.settings)
         return {"W_exp planes expected": expected,
                 "problem": plane_check(expected, self.store.planes)}
