@@ -95,13 +95,10 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     zero outside what top-k, top-p and min-p keep, summing to 1."""
     z = np.asarray(logits, np.float64) / params.temperature
     keep = np.ones(z.shape, bool)
-    if 0 < params.top_k < z.size:
+    if 0 < params.top_k < z.size:                   # the k largest; of equal ones, the first by index
         kth = np.partition(z, -params.top_k)[-params.top_k]
-        keep &= z >= kth
-        # ties at the k-th value: keep the first ones by index, k in all
-        if keep.sum() > params.top_k:
-            extra = np.flatnonzero(keep & (z == kth))[params.top_k - int((z > kth).sum()):]
-            keep[extra] = False
+        keep = z > kth
+        keep[np.flatnonzero(z == kth)[:params.top_k - int(keep.sum())]] = True
     p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
     p /= p.sum()
     if params.top_p < 1:
