@@ -26,8 +26,9 @@ __device__ __forceinline__ float att_warp_sum(float v) {
     return v;
 }
 
-// q (T, n_head, HD); k_cache, v_cache: this layer's (n_ctx, n_kv, HD), positions
-// 0 .. pos0+T-1 already stored; out (T, n_head * HD). All four 16-byte aligned.
+// q (T, n_head, HD); k_cache, v_cache: this layer's (n_rows, n_kv, HD), positions
+// 0 .. pos0+T-1 already stored, position j at row kv_row(tab, j) (tab: a paged
+// cache's block table, or null); out (T, n_head * HD). All four 16-byte aligned.
 // grid = (ceil(T / ATT_BQ), n_head), block = 32 * ATT_WARPS
 //
 // Shared-memory traffic is what bounds this kernel, so it is read in 16-byte
@@ -39,7 +40,7 @@ template <int HD>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
 attention_f32(const float* __restrict__ q, const float* __restrict__ k_cache,
               const float* __restrict__ v_cache, float* __restrict__ out,
-              int T, int n_head, int n_kv, int pos0, float scale) {
+              int T, int n_head, int n_kv, int pos0, float scale, const int* __restrict__ tab) {
     GRID_DEPENDENCY();
     static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
     constexpr int C = HD / 32;                 // head-dim elements per lane (P.V)
@@ -83,7 +84,7 @@ attention_f32(const float* __restrict__ q, const float* __restrict__ k_cache,
             // keys past kend are zero, never garbage: 0 * NaN would poison P.V
             float4 kv = zero4, vv = zero4;
             if (key < kend) {
-                const size_t off = ((size_t)key * n_kv + kvh) * HD;
+                const size_t off = ((size_t)kv_row(tab, key) * n_kv + kvh) * HD;
                 kv = reinterpret_cast<const float4*>(k_cache + off)[d4];
                 vv = reinterpret_cast<const float4*>(v_cache + off)[d4];
             }
@@ -143,6 +144,6 @@ attention_f32(const float* __restrict__ q, const float* __restrict__ k_cache,
 }
 
 template __global__ void attention_f32<64>(const float*, const float*, const float*, float*,
-                                           int, int, int, int, float);
+                                           int, int, int, int, float, const int*);
 template __global__ void attention_f32<128>(const float*, const float*, const float*, float*,
-                                            int, int, int, int, float);
+                                            int, int, int, int, float, const int*);

@@ -6,7 +6,7 @@
 #pragma once
 
 // Block formats, tile sizes and threads per block (QK_K, Q4K_BYTES, Q6K_PADDED,
-// THREADS_1D, MMQ_*, MV_*, NORM_THREADS, ATT_*, FA_*, DEC_*, ARGMAX_THREADS) are defined once, in
+// THREADS_1D, MMQ_*, MV_*, NORM_THREADS, ATT_*, FA_*, DEC_*, KV_BLOCK, ARGMAX_THREADS) are defined once, in
 // minfer/backend/cuda/nvrtc.py (KERNEL_CONSTANTS), and arrive as -D defines, so
 // the kernels and their Python wrappers cannot disagree.
 #ifndef MINFER_CONSTANTS
@@ -32,6 +32,16 @@ typedef unsigned char u8;
 typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
+
+// The cache row of position p of one sequence. A paged cache (minfer/kv/) gives a
+// sequence a block table tab: position p sits in block tab[p / KV_BLOCK], at row
+// p % KV_BLOCK of it; a contiguous cache (tab null) holds position p at row p.
+// KV_BLOCK is a multiple of the prefill flash attention's key tile and of the decode
+// attention's split, so a tile or a split never straddles two blocks: its keys are
+// consecutive rows from kv_row of its first key.
+__device__ __forceinline__ long long kv_row(const int* __restrict__ tab, int p) {
+    return tab ? (long long)tab[p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK : (long long)p;
+}
 
 // [p, p + bytes) pulled into L2, one bulk request issued by the block's thread 0.
 // The one thing a kernel may do before its GRID_DEPENDENCY() (on memory no kernel in

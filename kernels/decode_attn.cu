@@ -16,6 +16,10 @@
 // graph is captured for one side of that limit or the other.
 // q stays f32 (it is one row); K and V come from the f16 cache; scores, softmax
 // and accumulators are f32.
+// Batched decode: the kernels take B rows at once (grid's last dimension), row b at
+// position pos_dev[b] over its own sequence's cache rows, through its block table
+// tab + b * tab_stride (a paged cache; tab null: one contiguous sequence). A row's
+// arithmetic is the same whatever B is and whichever rows are beside it.
 #include "common.cuh"
 
 #define DEC_THREADS (32 * DEC_WARPS)
@@ -28,25 +32,32 @@
 __device__ __forceinline__ float f16_lo(u32 w) { return f16_to_f32((u16)(w & 0xFFFF)); }
 __device__ __forceinline__ float f16_hi(u32 w) { return f16_to_f32((u16)(w >> 16)); }
 
-// k, v (T, row) f32 -> rows p..p+T-1 of one layer's f16 caches kc, vc (n_ctx, row),
-// rounded to nearest even; row = n_kv * head_dim, n4 = T * row / 4
+// k, v (T, row) f32 -> one layer's f16 caches kc, vc (n_rows, row), rounded to nearest
+// even: token t at position p + t goes to cache row kv_row(tab, p + t), or to
+// rows[2t + 1] when rows ((T, 2) int32: position, cache row; a batch of sequences)
+// is given; row = n_kv * head_dim, n4 = T * row / 4
 extern "C" __global__ void __launch_bounds__(THREADS_1D)
 store_kv_f16(const float4* __restrict__ k, const float4* __restrict__ v, uint2* __restrict__ kc,
-             uint2* __restrict__ vc, long long n4, int row, int pos0, const int* __restrict__ pos_dev) {
+             uint2* __restrict__ vc, long long n4, int row, int pos0, const int* __restrict__ pos_dev,
+             const int* __restrict__ rows, const int* __restrict__ tab) {
     GRID_DEPENDENCY();
-    const long long off = (long long)(pos_dev ? *pos_dev : pos0) * row / 4;
+    const int p = pos_dev ? *pos_dev : pos0, r4 = row / 4;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
          i += (long long)gridDim.x * blockDim.x) {
+        const int t = (int)(i / r4);
+        const long long at = (rows ? rows[2 * t + 1] : kv_row(tab, p + t)) * r4 + (i - (long long)t * r4);
         const float4 a = k[i], b = v[i];
-        kc[off + i] = make_uint2(f32x2_to_f16x2(a.x, a.y), f32x2_to_f16x2(a.z, a.w));
-        vc[off + i] = make_uint2(f32x2_to_f16x2(b.x, b.y), f32x2_to_f16x2(b.z, b.w));
+        kc[at] = make_uint2(f32x2_to_f16x2(a.x, a.y), f32x2_to_f16x2(a.z, a.w));
+        vc[at] = make_uint2(f32x2_to_f16x2(b.x, b.y), f32x2_to_f16x2(b.z, b.w));
     }
 }
 
 // RoPE and the KV store in one launch (rope.cu's rotation, store_kv_f16's rounding):
 // q (T, n_head, hd) [+ bq] -> rotated into qo (f32) or qo16 (f16, the flash
 // attention's operand, (T, n_head, hd) packed); k (T, n_kv, hd) [+ bk] rotated and
-// v [+ bv] -> rows p..p+T-1 of one layer's f16 caches kc, vc (n_ctx, n_kv, hd).
+// v [+ bv] -> one layer's f16 caches kc, vc (n_rows, n_kv, hd): token t at position
+// p + t, cache row kv_row(tab, p + t); or with rows ((T, 2) int32, a batch of
+// sequences) at position rows[2t], cache row rows[2t + 1].
 // q's token rows are ldq floats apart, k's and v's ldkv: they may be column blocks
 // of one GEMM's output over the concatenated q/k/v weights. The biases (nullable)
 // are the q/k/v projections' own, added here instead of after the GEMMs: the same
@@ -95,13 +106,14 @@ rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, u16* __re
                   const float* __restrict__ bq, const float* __restrict__ bk,
                   const float* __restrict__ bv, u16* __restrict__ kc, u16* __restrict__ vc,
                   const float* __restrict__ cos_sin, int T, int n_head, int n_kv, int hd,
-                  long long ldq, long long ldkv, int pos0, const int* __restrict__ pos_dev, int neox) {
+                  long long ldq, long long ldkv, int pos0, const int* __restrict__ pos_dev, int neox,
+                  const int* __restrict__ rows, const int* __restrict__ tab) {
     GRID_DEPENDENCY();
     const int half = hd / 2, quads = hd / 8, heads = n_head + n_kv;
     const long long g = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (g >= (long long)T * heads * quads) return;
     const int i0 = 4 * (int)(g % quads), hh = (int)(g / quads % heads), t = (int)(g / quads / heads);
-    const int p = (pos_dev ? *pos_dev : pos0) + t;
+    const int p = rows ? rows[2 * t] : (pos_dev ? *pos_dev : pos0) + t;
     const float4 c01 = ld4(cos_sin + ((size_t)p * half + i0) * 2), c23 = ld4(cos_sin + ((size_t)p * half + i0) * 2 + 4);
     const float cs[4] = {c01.x, c01.z, c23.x, c23.z}, sn[4] = {c01.y, c01.w, c23.y, c23.w};
     const int off = neox ? i0 : 2 * i0;                           // the first element's dim
@@ -125,7 +137,7 @@ rope_store_kv_f16(const float* __restrict__ q, float* __restrict__ qo, u16* __re
         }
         return;
     }
-    const size_t dst = ((size_t)p * n_kv + (hh - n_head)) * hd + off;
+    const size_t dst = ((size_t)(rows ? rows[2 * t + 1] : kv_row(tab, p)) * n_kv + (hh - n_head)) * hd + off;
     rope_quad_store16(kc + dst, half, neox, ya, yb);
     rope_quad_load(v, src, bv, e, half, neox, a, b);
     rope_quad_store16(vc + dst, half, neox, a, b);
@@ -169,15 +181,21 @@ __device__ __forceinline__ float4 rope_lane(float4 x, const float* __restrict__ 
 // partial (max, sum, accumulator: DEC_PART floats) goes to out + g * gstride.
 // With cos_sin (n_pos, 64, 2) given, q and k_new come un-rotated: every sub-block
 // rotates its query heads, and the one that holds key p rotates k_new and stores
-// it and v_new (1, n_kv, 128) f32 into row p before reading it (rope_store_kv_f16's
-// values, one launch fewer); only that sub-block ever reads row p.
+// it and v_new (1, n_kv, 128) f32 into position p before reading it (rope_store_kv_f16's
+// values, one launch fewer); only that sub-block ever reads position p. Position j
+// sits at cache row kv_row(tab, j); a split lies in one block (KV_BLOCK % DEC_CHUNK == 0).
 __device__ __forceinline__ void split_partial(
-        const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc, int G, int n_kv,
+        const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc, const int* __restrict__ tab,
+        int G, int n_kv,
         int kvh, int p, int j0, int j1, float scale_log2, const float* __restrict__ k_new,
         const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox, int warp,
         int lane, float (*s_ml)[DEC_MAX_G][2], float (*s_acc)[DEC_MAX_G][FA_HD], float* out,
         size_t gstride) {
     const int d0 = 4 * lane, n_keys = p + 1;
+    // key j of this split at row kv_row(tab, j0) + j - j0: the split's keys as rows of kc, vc from j = 0
+    const long long rb = (j0 < j1 ? kv_row(tab, j0) - j0 : 0) * n_kv * FA_HD;
+    kc += rb;
+    vc += rb;
     const float* cs = cos_sin ? cos_sin + (size_t)p * FA_HD : nullptr;   // (64, 2) at p
 
     if (cs && j0 < j1 && j1 == n_keys && warp == 0) {       // this sub-block holds key p
@@ -300,40 +318,60 @@ __device__ __forceinline__ void store_head(float y, int h, int d, float* __restr
     }
 }
 
-// The split kernel: part (n_head, n_split, DEC_PART) f32. grid = (n_kv, n_split),
+static_assert(KV_BLOCK % DEC_CHUNK == 0, "a decode split lies in one block of a paged cache");
+
+// row b's outputs of a batch: o and oq hold n_head * 128 values a row, od and os
+// (n_head * 128) / 32 (any of them nullable)
+__device__ __forceinline__ void offset_outputs(int b, int n_head, float* __restrict__& o, i8* __restrict__& oq,
+                                               float* __restrict__& od, float* __restrict__& os) {
+    const size_t n = (size_t)b * n_head * FA_HD;
+    if (o) o += n;
+    if (oq) oq += n;
+    if (od) od += n / QK8_1;
+    if (os) os += n / QK8_1;
+}
+
+// The split kernel: part (B, n_head, n_split, DEC_PART) f32. grid = (n_kv, n_split, B),
 // n_split * DEC_CHUNK >= n_ctx, block = DEC_THREADS; a block whose keys start past
 // p writes nothing (the combine reads only the splits that hold keys).
 extern "C" __global__ void __launch_bounds__(DEC_THREADS)
 attn_decode_f16(const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc,
                 float* __restrict__ part, int n_head, int n_kv, int n_split, int pos0,
                 const int* __restrict__ pos_dev, float scale_log2, const float* __restrict__ k_new,
-                const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox) {
+                const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox,
+                const int* __restrict__ tab, int tab_stride) {
     GRID_DEPENDENCY();
     __shared__ float s_ml[DEC_WARPS][DEC_MAX_G][2];
     __shared__ float s_acc[DEC_WARPS][DEC_MAX_G][FA_HD];
-    const int kvh = blockIdx.x, split = blockIdx.y, G = n_head / n_kv;
-    const int p = pos_dev ? *pos_dev : pos0;
+    const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z, G = n_head / n_kv;
+    const int p = pos_dev ? pos_dev[b] : pos0;
     const int j0 = split * DEC_CHUNK, j1 = min(p + 1, j0 + DEC_CHUNK);
     if (j0 >= j1) return;                                   // whole block: no key here
-    split_partial(q, kc, vc, G, n_kv, kvh, p, j0, j1, scale_log2, k_new, v_new, cos_sin, neox,
+    const size_t qb = (size_t)b * n_head * FA_HD, kb = (size_t)b * n_kv * FA_HD;
+    split_partial(q + qb, kc, vc, tab ? tab + (size_t)b * tab_stride : nullptr, G, n_kv, kvh, p, j0, j1,
+                  scale_log2, k_new ? k_new + kb : nullptr, v_new ? v_new + kb : nullptr, cos_sin, neox,
                   threadIdx.x / 32, threadIdx.x % 32, s_ml, s_acc,
-                  part + ((size_t)kvh * G * n_split + split) * DEC_PART, (size_t)n_split * DEC_PART);
+                  part + (((size_t)b * n_head + kvh * G) * n_split + split) * DEC_PART,
+                  (size_t)n_split * DEC_PART);
 }
 
 // The K and V rows of the DEC_CHUNK keys of this thread's sub-block into L2, one
 // 256-byte row a thread (K for even threads, V for odd), rows past the cache skipped:
 // every row the sub-block may read, whatever the position (which it reads only after
-// its wait). Called before GRID_DEPENDENCY(): those rows were stored by earlier steps
+// its wait). A paged cache's block table is read here too: the host writes it
+// (CudaCache.set_table) before the step is queued, never a kernel in flight. Called before GRID_DEPENDENCY(): those rows were stored by earlier steps
 // (no kernel in flight writes them), or are row p, which this kernel stores later
 // (through L2: the prefetched line is the one the store updates); a prefetch changes
 // no value.
 __device__ __forceinline__ void decode_rows_prefetch_l2(const u16* __restrict__ kc, const u16* __restrict__ vc,
-                                                        int n_kv, int n_ctx) {
+                                                        const int* __restrict__ tab, int tab_stride, int n_kv,
+                                                        int n_ctx) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (tab) tab += (size_t)blockIdx.y * tab_stride;         // row blockIdx.y's table
     const int d = threadIdx.x % DEC_THREADS;
     const int key = (threadIdx.x / DEC_THREADS) * DEC_CHUNK + d / 2;
     if (key < n_ctx) {
-        const u16* row = ((d & 1) ? vc : kc) + ((size_t)key * n_kv + blockIdx.x) * FA_HD;
+        const u16* row = ((d & 1) ? vc : kc) + ((size_t)kv_row(tab, key) * n_kv + blockIdx.x) * FA_HD;
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(FA_HD * 2) : "memory");
     }
 #endif
@@ -344,16 +382,21 @@ __device__ __forceinline__ void decode_rows_prefetch_l2(const u16* __restrict__ 
 // blocks of the splits 0, 1, ... do, into shared memory, and then merge the splits
 // as attn_decode_combine does (merge_split, store_head): the same bits, without the
 // combine's launch. Sub-block b merges heads b, b + DEC_SHORT_SPLITS, ...
-// Outputs as attn_decode_combine's. kc, vc hold n_ctx positions. grid = n_kv, block =
+// (The table's entries for every block up to n_ctx are valid blocks: the prefetch
+// reads them before the position is known.)
+// Outputs as attn_decode_combine's. kc, vc hold n_ctx positions. grid = (n_kv, B), block =
 // DEC_SHORT_SPLITS * DEC_THREADS, dynamic shared memory DEC_SHORT_SMEM bytes.
 extern "C" __global__ void __launch_bounds__(DEC_SHORT_SPLITS * DEC_THREADS)
 attn_decode_short(const float* __restrict__ q, u16* __restrict__ kc, u16* __restrict__ vc,
                   float* __restrict__ o, i8* __restrict__ oq, float* __restrict__ od,
                   float* __restrict__ os, int n_head, int n_kv, int n_ctx, int pos0,
                   const int* __restrict__ pos_dev, float scale_log2, const float* __restrict__ k_new,
-                  const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox) {
-    decode_rows_prefetch_l2(kc, vc, n_kv, n_ctx);
+                  const float* __restrict__ v_new, const float* __restrict__ cos_sin, int neox,
+                  const int* __restrict__ tab, int tab_stride) {
+    decode_rows_prefetch_l2(kc, vc, tab, tab_stride, n_kv, n_ctx);
     GRID_DEPENDENCY();
+    const int b = blockIdx.y;
+    if (tab) tab += (size_t)b * tab_stride;
     extern __shared__ float4 s_dyn[];
     typedef float Acc[DEC_MAX_G][FA_HD];
     typedef float Ml[DEC_MAX_G][2];
@@ -363,12 +406,17 @@ attn_decode_short(const float* __restrict__ q, u16* __restrict__ kc, u16* __rest
     Part* s_part = (Part*)(s_ml + DEC_SHORT_SPLITS * DEC_WARPS);        // [splits]
     const int kvh = blockIdx.x, G = n_head / n_kv;
     const int sub = threadIdx.x / DEC_THREADS, d = threadIdx.x % DEC_THREADS;
-    const int p = pos_dev ? *pos_dev : pos0;
+    const int p = pos_dev ? pos_dev[b] : pos0;
     const int j0 = sub * DEC_CHUNK, j1 = min(p + 1, j0 + DEC_CHUNK);
-    split_partial(q, kc, vc, G, n_kv, kvh, p, j0, j1, scale_log2, k_new, v_new, cos_sin, neox,
+    const size_t qb = (size_t)b * n_head * FA_HD, kb = (size_t)b * n_kv * FA_HD;
+    q += qb;
+    if (k_new) k_new += kb;
+    if (v_new) v_new += kb;
+    split_partial(q, kc, vc, tab, G, n_kv, kvh, p, j0, j1, scale_log2, k_new, v_new, cos_sin, neox,
                   d / 32, d % 32, s_ml + sub * DEC_WARPS, s_acc + sub * DEC_WARPS,
                   &s_part[sub][0][0], DEC_PART);
     __syncthreads();
+    offset_outputs(b, n_head, o, oq, od, os);
     const int used = min(DEC_SHORT_SPLITS, (p + DEC_CHUNK) / DEC_CHUNK);
     for (int g = sub; g < G; g += DEC_SHORT_SPLITS) {
         float M = DEC_NEG_INF;
@@ -380,10 +428,10 @@ attn_decode_short(const float* __restrict__ q, u16* __restrict__ kc, u16* __rest
     }
 }
 
-// part (n_head, n_split, DEC_PART) -> o (n_head * 128) f32 and/or its q8_1 form
+// part (B, n_head, n_split, DEC_PART) -> o (B, n_head * 128) f32 and/or its q8_1 form
 // oq, od, os (the o projection's operand: quantize_q8_1's bits, a warp per block of
 // 32), merging the splits that hold keys 0..p; either output nullable;
-// grid = n_head, block = FA_HD.
+// grid = (n_head, B), block = FA_HD.
 // The merge: M = the splits' largest max, then L = sum of l_s * c_s and A = sum of
 // a_s * c_s in split order, c_s = exp2(m_s - M). After 3,325 keys that is 52 splits,
 // and a loop that loaded them one after another waited on L2 for each: the block
@@ -397,8 +445,10 @@ attn_decode_combine(const float* __restrict__ part, float* __restrict__ o, i8* _
                     const int* __restrict__ pos_dev) {
     GRID_DEPENDENCY();
     __shared__ float s_l[FA_HD], s_c[FA_HD], s_max[FA_HD / 32];
-    const int used = min(n_split, ((pos_dev ? *pos_dev : pos0) + DEC_CHUNK) / DEC_CHUNK);
-    const float* p = part + (size_t)blockIdx.x * n_split * DEC_PART;
+    const int b = blockIdx.y;
+    const int used = min(n_split, ((pos_dev ? pos_dev[b] : pos0) + DEC_CHUNK) / DEC_CHUNK);
+    const float* p = part + ((size_t)b * gridDim.x + blockIdx.x) * n_split * DEC_PART;
+    offset_outputs(b, gridDim.x, o, oq, od, os);
     const int d = threadIdx.x;
     float M = DEC_NEG_INF;                                  // (a max: the order is free)
     for (int s = d; s < used; s += FA_HD) M = fmaxf(M, p[(size_t)s * DEC_PART]);

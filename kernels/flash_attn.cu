@@ -98,7 +98,7 @@ flash_attn_f16(FA_ARGS) {
     u16* const KVs = fa_smem + FA_BQ * FA_LD;         // stage s: K at 2s, V at 2s+1
 
     FaItem it;
-    if (!fa_item(it, T, n_head, n_kv, pos0)) return;
+    if (!fa_item(it, q, o, o16, tab, T, pos0, n_head, n_kv, seqs, items)) return;
     const int G = it.G, row0 = it.row0;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -110,8 +110,8 @@ flash_attn_f16(FA_ARGS) {
     auto padded = [](u16* tile) { return [tile](int r, int c) { return tile + r * FA_LD + c * 8; }; };
 
     fa_load_q<FA_THREADS>(padded(Qs), q, it, n_head);
-    fa_load_kv<FA_THREADS>(padded(KVs), kb, pos_stride, 0, it.n_keys);
-    fa_load_kv<FA_THREADS>(padded(KVs + FA_BK * FA_LD), vb, pos_stride, 0, it.n_keys);
+    fa_load_kv<FA_THREADS>(padded(KVs), kb, pos_stride, tab, 0, it.n_keys);
+    fa_load_kv<FA_THREADS>(padded(KVs + FA_BK * FA_LD), vb, pos_stride, tab, 0, it.n_keys);
     cp_commit();
 
     // this lane's rows: m-tile mt, half hf -> block row warp*32 + 16mt + 8hf + g
@@ -137,8 +137,8 @@ flash_attn_f16(FA_ARGS) {
         __syncthreads();                              // everyone's; and tile j-1's stage is free
         if (j + 1 < it.n_tiles) {
             u16* nxt = KVs + ((j + 1) & 1) * 2 * FA_BK * FA_LD;
-            fa_load_kv<FA_THREADS>(padded(nxt), kb, pos_stride, k0 + FA_BK, it.n_keys);
-            fa_load_kv<FA_THREADS>(padded(nxt + FA_BK * FA_LD), vb, pos_stride, k0 + FA_BK, it.n_keys);
+            fa_load_kv<FA_THREADS>(padded(nxt), kb, pos_stride, tab, k0 + FA_BK, it.n_keys);
+            fa_load_kv<FA_THREADS>(padded(nxt + FA_BK * FA_LD), vb, pos_stride, tab, k0 + FA_BK, it.n_keys);
             cp_commit();
         }
         const u16* Kt = KVs + (j & 1) * 2 * FA_BK * FA_LD;

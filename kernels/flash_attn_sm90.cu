@@ -114,7 +114,7 @@ flash_attn_f16_sm90(FA_ARGS) {
     const unsigned s_q = raw + pad, s_kv = s_q + FW_Q_BYTES;     // shared addresses
 
     FaItem it;
-    if (!fa_item(it, T, n_head, n_kv, pos0)) return;
+    if (!fa_item(it, q, o, o16, tab, T, pos0, n_head, n_kv, seqs, items)) return;
 
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -127,8 +127,8 @@ flash_attn_f16_sm90(FA_ARGS) {
     };
 
     fa_load_q<FW_THREADS>(swizzled(sm, FW_Q_PANEL), q, it, n_head);
-    fa_load_kv<FW_THREADS>(swizzled(sm + FW_Q_BYTES, FW_KV_PANEL), kb, pos_stride, 0, it.n_keys);
-    fa_load_kv<FW_THREADS>(swizzled(sm + FW_Q_BYTES + FW_KV_BYTES, FW_KV_PANEL), vb, pos_stride, 0, it.n_keys);
+    fa_load_kv<FW_THREADS>(swizzled(sm + FW_Q_BYTES, FW_KV_PANEL), kb, pos_stride, tab, 0, it.n_keys);
+    fa_load_kv<FW_THREADS>(swizzled(sm + FW_Q_BYTES + FW_KV_BYTES, FW_KV_PANEL), vb, pos_stride, tab, 0, it.n_keys);
     cp_commit();
 
     // this thread's rows: h -> block row 64wg + 16warp + 8h + g
@@ -165,8 +165,8 @@ flash_attn_f16_sm90(FA_ARGS) {
         wg_commit();
         if (j + 1 < it.n_tiles) {                     // the next tile's copies, behind the products
             u8* nxt = sm + FW_Q_BYTES + ((j + 1) & 1) * 2 * FW_KV_BYTES;
-            fa_load_kv<FW_THREADS>(swizzled(nxt, FW_KV_PANEL), kb, pos_stride, k0 + FA_BK, it.n_keys);
-            fa_load_kv<FW_THREADS>(swizzled(nxt + FW_KV_BYTES, FW_KV_PANEL), vb, pos_stride, k0 + FA_BK, it.n_keys);
+            fa_load_kv<FW_THREADS>(swizzled(nxt, FW_KV_PANEL), kb, pos_stride, tab, k0 + FA_BK, it.n_keys);
+            fa_load_kv<FW_THREADS>(swizzled(nxt + FW_KV_BYTES, FW_KV_PANEL), vb, pos_stride, tab, k0 + FA_BK, it.n_keys);
             cp_commit();
         }
         wg_wait<0>();

@@ -11,7 +11,8 @@
 #define FA_ARGS                                                                           \
     const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache, \
     float* __restrict__ o, u16* __restrict__ o16, int T, int n_head, int n_kv, int pos0,      \
-    float scale_log2
+    float scale_log2, const int* __restrict__ seqs, const int* __restrict__ items,           \
+    const int* __restrict__ tab
 
 // f32 pair -> f16x2 (RNE) in one instruction, lo in the low half (= the lower k index)
 __device__ __forceinline__ u32 fa_pack_f16x2(float lo, float hi) {
@@ -31,8 +32,17 @@ __device__ __forceinline__ float fa_exp2(float x) {
 // ---- the work item, and the copies and the store that follow from it ----------
 // FA_BQ, FA_BK and FA_HD come from nvrtc.py. A block takes FA_BQ consecutive
 // flattened rows (row = t*G + i for token t and query head kvh*G + i) of one KV
-// head, the items heaviest (last rows) first with the KV heads interleaved, and
-// walks the keys in tiles of FA_BK up to its last row's position.
+// head of one sequence, the items heaviest (last rows) first with the KV heads
+// interleaved, and walks the keys in tiles of FA_BK up to its last row's position.
+//
+// One sequence (items null): T tokens at positions pos0.., the cache rows through
+// the block table tab (null: contiguous). A batch of sequences (FlashAttention's
+// varlen layout): seqs (n_seq, 4) int32 = its first row in q and o, its tokens, the
+// position of its first token, the offset of its block table in tab; items
+// (T, 2) int32 = (sequence, first flattened row), T items, heaviest first (the
+// wrapper orders them). A row's arithmetic depends only on its own sequence's keys
+// and the fixed key tiles 0, FA_BK, ...: the same bits alone, batched or chunked
+// (a tile past a row's position is masked whole: it adds exact zeros).
 struct FaItem {
     int G;          // query heads per KV head
     int n_rows;     // flattened rows of a KV head: T * G
@@ -42,16 +52,34 @@ struct FaItem {
     int n_tiles;    // key tiles it visits: those holding keys 0 .. pos0 + its last token
 };
 
-// the item of the block with this linear index; false for a spare block (the grid
-// may hold more blocks than items)
-__device__ __forceinline__ bool fa_item(FaItem& it, int T, int n_head, int n_kv, int pos0) {
+// the item of the block with this linear index, and its sequence: q, o, o16 moved
+// to the sequence's first row, tab to its table, T and pos0 its own; false for a
+// spare block (the grid may hold more blocks than items)
+__device__ __forceinline__ bool fa_item(FaItem& it, const u16* __restrict__& q, float* __restrict__& o,
+                                        u16* __restrict__& o16, const int* __restrict__& tab,
+                                        int& T, int& pos0, int n_head, int n_kv,
+                                        const int* __restrict__ seqs, const int* __restrict__ items) {
     it.G = n_head / n_kv;
-    it.n_rows = T * it.G;
-    const int n_items = (it.n_rows + FA_BQ - 1) / FA_BQ;
     const int lin = blockIdx.x + gridDim.x * blockIdx.y;
-    if (lin >= n_items * n_kv) return false;
+    if (items) {
+        if (lin >= T * n_kv) return false;
+        const int* item = items + 2 * (lin / n_kv);
+        const int* seq = seqs + 4 * item[0];
+        const long long first = (long long)seq[0] * n_head * FA_HD;
+        q += first;
+        if (o) o += first;
+        if (o16) o16 += first;
+        tab += seq[3];
+        T = seq[1];
+        pos0 = seq[2];
+        it.row0 = item[1];
+    } else {
+        const int n_items = (T * it.G + FA_BQ - 1) / FA_BQ;
+        if (lin >= n_items * n_kv) return false;
+        it.row0 = (n_items - 1 - lin / n_kv) * FA_BQ;
+    }
     it.kvh = lin % n_kv;
-    it.row0 = (n_items - 1 - lin / n_kv) * FA_BQ;
+    it.n_rows = T * it.G;
     it.n_keys = pos0 + T;
     const int last_tok = (min(it.row0 + FA_BQ, it.n_rows) - 1) / it.G;
     it.n_tiles = (pos0 + last_tok + FA_BK) / FA_BK;
@@ -81,15 +109,17 @@ __device__ __forceinline__ void fa_load_q(Dst dst, const u16* __restrict__ q, co
 }
 
 // FA_BK keys k0.. of one KV head (rows of FA_HD halves, pos_stride halves apart
-// from base, the head's first) into shared memory: thread i copies chunk i % 16 of
-// keys k0 + i / 16 + (THREADS / 16) * n. Keys >= n_keys are zero-filled (src-size
-// 0: nothing is read from their addresses), so masked probabilities (0) never
-// meet garbage (0 * NaN). dst(key, c) as in fa_load_q.
+// from base, the head's first; key k at cache row kv_row(tab, k), the tile's rows
+// consecutive) into shared memory: thread i copies chunk i % 16 of keys k0 + i / 16
+// + (THREADS / 16) * n. Keys >= n_keys are zero-filled (src-size 0: nothing is read
+// from their addresses), so masked probabilities (0) never meet garbage (0 * NaN).
+// dst(key, c) as in fa_load_q.
+static_assert(KV_BLOCK % FA_BK == 0, "a key tile lies in one block of a paged cache");
 template <int THREADS, class Dst>
 __device__ __forceinline__ void fa_load_kv(Dst dst, const u16* __restrict__ base, long long pos_stride,
-                                           int k0, int n_keys) {
+                                           const int* __restrict__ tab, int k0, int n_keys) {
     const int r = threadIdx.x >> 4, c = threadIdx.x & 15;
-    const u16* src = base + (k0 + r) * pos_stride + c * 8;      // this thread's first chunk
+    const u16* src = base + (kv_row(tab, k0) + r) * pos_stride + c * 8;      // this thread's first chunk
 #pragma unroll
     for (int i = 0; i < FA_BK / (THREADS / 16); ++i) {
         const int key = i * (THREADS / 16) + r;

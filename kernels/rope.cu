@@ -8,11 +8,13 @@
 #include "common.cuh"
 
 // x, y (T, n_heads, hd); cos_sin (n_pos, hd/2, 2) with n_pos >= p + T, where the
-// first position p = *pos_dev when given (a captured decode step), else pos0;
+// first position p = *pos_dev when given (a captured decode step), else pos0; with
+// rows ((T, 2) int32: position, cache row; a batch of sequences) token t is at rows[2t];
 // grid.x covers T * n_heads * hd/2 pairs
 extern "C" __global__ void
 rope_f32(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ cos_sin,
-         int T, int n_heads, int hd, int pos0, const int* __restrict__ pos_dev, int neox) {
+         int T, int n_heads, int hd, int pos0, const int* __restrict__ pos_dev, int neox,
+         const int* __restrict__ rows) {
     GRID_DEPENDENCY();
     const int half = hd / 2;
     const long long n_pairs = (long long)T * n_heads * half;
@@ -25,7 +27,7 @@ rope_f32(const float* __restrict__ x, float* __restrict__ y, const float* __rest
     const int ia = neox ? i : 2 * i;
     const int ib = neox ? i + half : 2 * i + 1;
     const int p = pos_dev ? *pos_dev : pos0;
-    const float* cs = cos_sin + ((size_t)(p + t) * half + i) * 2;
+    const float* cs = cos_sin + ((size_t)(rows ? rows[2 * t] : p + t) * half + i) * 2;
     const float c = cs[0], s = cs[1];
     float ya, yb;
     rope_rotate(x[base + ia], x[base + ib], c, s, &ya, &yb);

@@ -15,6 +15,7 @@ from pathlib import Path
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from ...errors import MinferError
+from ...kv.blocks import BLOCK_TOKENS
 from ...package_data import package_data_dir
 
 KERNEL_CONSTANTS: dict[str, int] = {
@@ -99,6 +100,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
     # positions below DEC_SHORT_SPLITS * DEC_CHUNK attend in one launch
     # (attn_decode_short: the splits as sub-blocks of one block per KV head)
     "DEC_SHORT_SPLITS": 4,
+    # positions per block of a paged KV cache (minfer/kv/blocks.py, which owns the
+    # number): a multiple of FA_BK and DEC_CHUNK, so no key tile or split straddles blocks
+    "KV_BLOCK": BLOCK_TOKENS,
     # greedy selection (argmax.cu): one block
     "ARGMAX_THREADS": 1024,
 }
