@@ -61,7 +61,16 @@ class Backend(ABC):
 
     @abstractmethod
     def new_cache(self, max_tokens: int) -> Any:
-        """KV cache for max_tokens positions; has attribute n_ctx = max_tokens."""
+        """KV cache for max_tokens positions; has attribute n_ctx = max_tokens. It is
+        contiguous (position p at row p), or the storage of a paged cache
+        (minfer/kv/): then its rows are blocks that sequence_cache views read, and a
+        Batch's sequences write (attention's pos a minfer.kv.batch.Batch)."""
+
+    @abstractmethod
+    def sequence_cache(self, storage, n_ctx: int) -> Any:
+        """One sequence's view of a paged cache: the same rows as storage (a
+        new_cache), read through a block table that set_table(blocks, pad) sets;
+        n_ctx positions. Every op takes it where it takes a contiguous cache."""
 
     # --- ops ----------------------------------------------------------------
     @abstractmethod
@@ -117,14 +126,17 @@ class Backend(ABC):
 
     @abstractmethod
     def rope(self, x, pos0: int) -> Any:
-        """x (T, n_heads, hd) at positions pos0..pos0+T-1 -> rotated (T, n_heads, hd);
-        NeoX (halves) or normal (adjacent pairs) per cfg.rope_neox, base cfg.rope_base."""
+        """x (T, n_heads, hd) at positions pos0..pos0+T-1 (or a Batch's row positions)
+        -> rotated (T, n_heads, hd); NeoX (halves) or normal (adjacent pairs) per
+        cfg.rope_neox, base cfg.rope_base."""
 
     @abstractmethod
     def attention(self, q, k, v, cache, layer: int, pos0: int) -> Any:
         """q (T, n_head, hd), k/v (T, n_head_kv, hd): stores k/v in cache[layer] at
         pos0..pos0+T-1, then causal GQA softmax(q k^T / sqrt(hd)) v over positions
-        0..pos0+t for query t -> (T, n_head*hd)"""
+        0..pos0+t for query t -> (T, n_head*hd). pos0 a minfer.kv.batch.Batch: the
+        rows of several sequences, each stored at its cache rows and attending to
+        its own sequence's positions only."""
 
     @abstractmethod
     def swiglu(self, gate, up) -> Any:
@@ -137,6 +149,10 @@ class Backend(ABC):
     @abstractmethod
     def rows(self, x, start: int, stop: int) -> Any:
         """x[start:stop] (positions kept for the LM head)"""
+
+    @abstractmethod
+    def select_rows(self, x, idx) -> Any:
+        """x[idx], idx a host int array (the rows of a batch the LM head runs on)"""
 
     @abstractmethod
     def to_numpy(self, x) -> np.ndarray:

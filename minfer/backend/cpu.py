@@ -36,6 +36,8 @@ from .. import rope
 from ..config import ModelConfig
 from ..errors import MinferError
 from .base import Backend
+from ..kv.batch import Batch
+from ..kv.blocks import BLOCK_TOKENS
 from .host_memory import available_bytes
 
 
@@ -67,9 +69,27 @@ class QuantTable:
 
 @dataclass
 class CPUCache:
-    k: np.ndarray      # (n_layer, n_ctx, n_kv, hd) float32
-    v: np.ndarray      # (n_layer, n_ctx, n_kv, hd) float32
+    """Contiguous (table None: position p at row p), or one sequence's view of a
+    paged cache's rows through its block table (minfer/kv/: position p at row
+    table[p // 64] * 64 + p % 64)."""
+    k: np.ndarray      # (n_layer, n_rows, n_kv, hd) float32
+    v: np.ndarray      # (n_layer, n_rows, n_kv, hd) float32
     n_ctx: int
+    table: np.ndarray | None = None     # int64 (n_ctx / 64,) block ids
+
+    def set_table(self, blocks, pad: int) -> None:
+        """The sequence this view reads: its blocks, then `pad` (CudaCache.set_table)."""
+        if len(blocks) > self.table.size:
+            raise ValueError(f"set_table: {len(blocks)} blocks for a table of {self.table.size}")
+        self.table[:] = pad
+        self.table[:len(blocks)] = blocks
+
+    def rows_of(self, start: int, stop: int) -> np.ndarray | slice:
+        """The cache rows of positions start..stop-1."""
+        if self.table is None:
+            return slice(start, stop)
+        p = np.arange(start, stop, dtype=np.int64)
+        return self.table[p // BLOCK_TOKENS] * BLOCK_TOKENS + p % BLOCK_TOKENS
 
 
 FIT_FRACTION = 0.7     # f32 weights may take this share of the available memory
@@ -127,6 +147,12 @@ class CPUBackend(Backend):
             raise MinferError(f"out of host memory allocating the KV cache for a context of "
                               f"{max_tokens} tokens ({need / 2**30:.1f} GiB): lower -c") from None
 
+    def sequence_cache(self, storage: CPUCache, n_ctx: int) -> CPUCache:
+        if n_ctx < 1 or n_ctx > storage.n_ctx:
+            raise MinferError(f"a sequence of {n_ctx} positions in a cache of {storage.n_ctx}")
+        return CPUCache(k=storage.k, v=storage.v, n_ctx=n_ctx,
+                        table=np.zeros(-(-n_ctx // BLOCK_TOKENS), np.int64))
+
     @contextlib.contextmanager
     def guard(self, what: str):
         """Host allocations failing inside `what` (weights, activations, attention's
@@ -182,10 +208,15 @@ class CPUBackend(Backend):
         return rope.angles(n_pos, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
 
     def rope(self, x, pos0):
-        """x (T, n_heads, hd) at positions pos0.. -> rotated (T, n_heads, hd)"""
+        """x (T, n_heads, hd) at positions pos0.. (or a Batch's row positions) -> rotated (T, n_heads, hd)"""
         T, _, hd = x.shape
-        cos, sin = self._rope_tables(pos0 + T)
-        cos, sin = cos[pos0:, None, :], sin[pos0:, None, :]                               # (T, 1, hd/2)
+        if isinstance(pos0, Batch):
+            cos, sin = self._rope_tables(pos0.max_pos + 1)
+            at = pos0.positions
+            cos, sin = cos[at, None, :], sin[at, None, :]                                 # (T, 1, hd/2)
+        else:
+            cos, sin = self._rope_tables(pos0 + T)
+            cos, sin = cos[pos0:, None, :], sin[pos0:, None, :]                           # (T, 1, hd/2)
         if self.cfg.rope_neox:      # rotate (x_i, x_{i+hd/2})
             x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
             return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -196,12 +227,29 @@ class CPUBackend(Backend):
         return out
 
     def attention(self, q, k, v, cache: CPUCache, layer, pos0):
-        """q (T, n_head, hd), k/v (T, n_kv, hd) -> causal GQA attention (T, n_head*hd)"""
+        """q (T, n_head, hd), k/v (T, n_kv, hd) -> causal GQA attention (T, n_head*hd):
+        one sequence at positions pos0.., or a Batch's sequences, each over its own keys"""
+        if not isinstance(pos0, Batch):
+            at = cache.rows_of(pos0, pos0 + q.shape[0])
+            cache.k[layer, at] = k
+            cache.v[layer, at] = v
+            keys = cache.rows_of(0, pos0 + q.shape[0])
+            return self._attend(q, cache.k[layer, keys], cache.v[layer, keys], pos0)
+        b = pos0
+        cache.k[layer, b.rows[:, 1]] = k
+        cache.v[layer, b.rows[:, 1]] = v
+        out = np.empty((q.shape[0], self.cfg.n_head * self.cfg.head_dim), np.float32)
+        for s, sp in enumerate(b.spans):
+            r, keys = b.seq_rows(s), b.key_rows(s)
+            out[r] = self._attend(q[r], cache.k[layer, keys], cache.v[layer, keys], sp.pos0)
+        return out
+
+    def _attend(self, q, K, V, pos0: int):
+        """q (T, n_head, hd) at positions pos0.., K, V (pos0 + T, n_kv, hd): positions
+        0..pos0+T-1 -> (T, n_head*hd), query t seeing keys 0..pos0+t"""
         cfg = self.cfg
         T, _, hd = q.shape
         S = pos0 + T                                          # keys visible to the last query
-        cache.k[layer, pos0:S] = k
-        cache.v[layer, pos0:S] = v
         # query t (position pos0+t) sees keys 0..pos0+t
         masked = np.arange(S)[None, :] > (pos0 + np.arange(T))[:, None]                  # (T, S)
         scale = np.float32(1.0 / np.sqrt(hd))
@@ -211,15 +259,14 @@ class CPUBackend(Backend):
             # the group's queries stacked as one 2-D matrix: one BLAS GEMM instead of
             # n_rep small batched ones (NumPy's stacked matmul is far slower)
             qg = q[:, heads].transpose(1, 0, 2).reshape(cfg.n_rep * T, hd)    # (n_rep*T, hd)
-            K = cache.k[layer, :S, g]                                           # (S, hd)
-            V = cache.v[layer, :S, g]                                           # (S, hd)
-            s = (qg @ K.T).reshape(cfg.n_rep, T, S)                             # (n_rep, T, S)
+            Kg, Vg = K[:, g], V[:, g]                                           # (S, hd) each
+            s = (qg @ Kg.T).reshape(cfg.n_rep, T, S)                            # (n_rep, T, S)
             s *= scale
             s[:, masked] = -np.inf
             s -= s.max(axis=-1, keepdims=True)
             p = np.exp(s)
             p /= p.sum(axis=-1, keepdims=True)
-            o = (p.reshape(cfg.n_rep * T, S) @ V).reshape(cfg.n_rep, T, hd)   # (n_rep, T, hd)
+            o = (p.reshape(cfg.n_rep * T, S) @ Vg).reshape(cfg.n_rep, T, hd)  # (n_rep, T, hd)
             out[:, heads] = o.transpose(1, 0, 2)
         return out.reshape(T, cfg.n_head * hd)
 
@@ -233,6 +280,9 @@ class CPUBackend(Backend):
 
     def rows(self, x, start, stop):
         return x[start:stop]
+
+    def select_rows(self, x, idx):
+        return x[np.asarray(idx, np.int64)]
 
     def to_numpy(self, x):
         return np.asarray(x, dtype=np.float32)

@@ -38,6 +38,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from ..errors import MinferError
+from ..kv.batch import Batch
 from .cpu import CPUBackend, QuantTable
 
 F32, F16 = np.float32, np.float16
@@ -219,7 +220,18 @@ class GgmlCPUBackend(CPUBackend):
         return rope_angles(n_pos, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
 
     def attention(self, q, k, v, cache, layer, pos0):
-        S = pos0 + q.shape[0]
-        cache.k[layer, pos0:S] = k.astype(np.float16)      # an f16 cache, as llama.cpp's
-        cache.v[layer, pos0:S] = v.astype(np.float16)
-        return flash_attention(q, cache.k[layer], cache.v[layer], pos0, self.cfg.n_rep)
+        # an f16 cache, as llama.cpp's; one sequence (through its table, if paged) or a Batch's
+        if not isinstance(pos0, Batch):
+            S = pos0 + q.shape[0]
+            cache.k[layer, cache.rows_of(pos0, S)] = k.astype(np.float16)
+            cache.v[layer, cache.rows_of(pos0, S)] = v.astype(np.float16)
+            keys = cache.rows_of(0, S)
+            return flash_attention(q, cache.k[layer, keys], cache.v[layer, keys], pos0, self.cfg.n_rep)
+        b = pos0
+        cache.k[layer, b.rows[:, 1]] = k.astype(np.float16)
+        cache.v[layer, b.rows[:, 1]] = v.astype(np.float16)
+        out = np.empty((q.shape[0], self.cfg.n_head * self.cfg.head_dim), np.float32)
+        for s, sp in enumerate(b.spans):
+            r, keys = b.seq_rows(s), b.key_rows(s)
+            out[r] = flash_attention(q[r], cache.k[layer, keys], cache.v[layer, keys], sp.pos0, self.cfg.n_rep)
+        return out

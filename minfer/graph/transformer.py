@@ -39,10 +39,32 @@ class Transformer:
             logits, = be.norm_linears(x, w.output_norm, cfg.rms_eps, (w.output,), (None,))
             return be.to_numpy(logits)                                       # (n, vocab)
 
+    def forward_batch(self, tokens: np.ndarray, batch, cache) -> np.ndarray:
+        """Several sequences in one forward: tokens int32 (T,), the sequences' new
+        tokens in the order of batch (a minfer.kv.batch.Batch: each sequence's
+        positions and block table in the paged cache `cache`, a new_cache's
+        storage) -> logits float32 (len(batch.logit_rows), vocab): each sequence's
+        last row, or every row. The linears run once over all T rows; each row
+        attends to its own sequence only."""
+        cfg, be, w = self.cfg, self.be, self.w
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        if tokens.shape != (batch.n_rows,):
+            raise ValueError(f"forward_batch: {tokens.shape} tokens for a batch of {batch.n_rows} rows")
+        for i, sp in enumerate(batch.spans):
+            if sp.pos0 + sp.n > cache.n_ctx:
+                raise MinferError(f"sequence {i} of the batch: {sp.pos0 + sp.n} tokens do not fit "
+                                  f"the context of {cache.n_ctx}")
+        with be.guard("running the model"):
+            x = be.embed(w.token_embd, tokens)                               # (T, d)
+            x = self.blocks(x, batch, cache)
+            x = be.select_rows(x, batch.logit_rows)                          # (R, d)
+            logits, = be.norm_linears(x, w.output_norm, cfg.rms_eps, (w.output,), (None,))
+            return be.to_numpy(logits)                                       # (R, vocab)
+
     def blocks(self, x, pos0, cache):
         """The decoder layers: x (T, d) at positions pos0.. -> (T, d); fills the cache.
         pos0 is an int, or in a decode step whatever position the backend's decode
-        hands its step (a position held in device memory on the GPU)."""
+        hands its step (a position held in device memory on the GPU), or a Batch."""
         be = self.be
         for i, L in enumerate(self.w.layers):
             x = be.attention_block(x, L, cache, i, pos0)                     # x + o(attn)

@@ -30,7 +30,9 @@ from .blocks import BlockPool, block_hashes, chain_hash, token_array
 class SeqBlocks:
     """One sequence's blocks in a pool: its block table, how many of its tokens have K/V in the cache."""
 
-    def __init__(self, pool: BlockPool, tokens):
+    def __init__(self, pool: BlockPool, tokens, match: bool = True):
+        """match=False: nothing taken from the prefix cache (every position is
+        computed: scoring, which needs each position's logits)."""
         prompt = [int(t) for t in token_array(tokens)]
         if not prompt:
             raise MinferError("kv cache: an empty prompt: there is no token to compute")
@@ -38,7 +40,7 @@ class SeqBlocks:
         # limit len - 1: the last prompt token is computed even when all of it is
         # cached (its logits start generation), so a prompt of exactly k blocks
         # matches at most k - 1 (vLLM's rule)
-        self.table: list[int] = pool.match(prompt, limit=len(prompt) - 1)
+        self.table: list[int] = pool.match(prompt, limit=len(prompt) - 1) if match else []
         self.tokens: list[int] = prompt[:len(self.table) * pool.block_tokens]   # K/V in the cache
         self._hashes = block_hashes(self.tokens, pool.block_tokens)             # of tokens' full blocks
         self._freed = False

@@ -13,15 +13,22 @@ the projections of rmsnorm(x) * norm_w, in the fewest launches each case allows.
                                 accumulates into x
     otherwise (the f32 cache of other head dims, other engines)
                                 the composition of the plain ops
+
+The cache is contiguous or a sequence's view of a paged cache (its block table,
+which every kernel here takes), or pos0 is a minfer.kv.batch.Batch: several
+sequences' rows, stored at their cache rows, each attending to its own keys
+(flash_attn.FlashBatch; the f32 cache: one launch a sequence).
 """
 from __future__ import annotations
 
 from ...errors import MinferError
+from ...kv.batch import Batch
 from .kernels import attention as attention_f32
 from .kernels import flash_attn
-from .kernels.decode_attn import decode_attention, rope_store_kv_f16
+from .kernels.decode_attn import decode_attention, rope_store_kv_f16, store_kv_f16
+from .kernels.dequant_f16 import cast_f16
 from .kernels.rope import rope
-from .launch import cp, pos_value
+from .launch import cp, out_array, pos_value
 
 
 class AttentionBlock:
@@ -37,7 +44,7 @@ class AttentionBlock:
         qkv = (L.attn_q, L.attn_k, L.attn_v)
         biases = (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias)
         wo, f16_cache = L.attn_output, cache.k.dtype == cp.float16
-        if f16_cache and T == 1 and lin.all_matvec(x, qkv) and lin.path(1, wo).engine == "matvec" \
+        if f16_cache and T == 1 and not isinstance(pos0, Batch) and lin.all_matvec(x, qkv) and lin.path(1, wo).engine == "matvec" \
                 and wo.n_in == n_q:
             q, k, v = lin.norm_linears(x, L.attn_norm, cfg.rms_eps, qkv, biases)
             q8 = self._rope_attention_f16(*self._heads(1, q, k, v), cache, layer, pos0,
@@ -69,37 +76,74 @@ class AttentionBlock:
     def _rope_attention_f16(self, q, k, v, cache, layer: int, pos0, out=None, biases=(None, None, None),
                             q8=None):
         """One decode row rotates, stores and attends in one kernel (and its combine
-        writes the q8_1 form of the output into q8 when given); a prompt runs the
-        biases, RoPE, the KV store and q's rounding to f16 in one launch, then the
-        flash attention. A decode row takes no biases (its matvecs add them)."""
+        writes the q8_1 form of the output into q8 when given); a prompt (or a Batch)
+        runs the biases, RoPE, the KV store and q's rounding to f16 in one launch,
+        then the flash attention. A decode row takes no biases (its matvecs add them)."""
         self._check_heads(q, k)
         self._rope_check(q, pos0)
         kc, vc, cos_sin = cache.k[layer], cache.v[layer], self.state.cos_sin
+        wgmma = self._settings().flash_wgmma
+        if isinstance(pos0, Batch):
+            dev = self._device(pos0)
+            q16 = rope_store_kv_f16(q, k, v, kc, vc, cos_sin, 0, self.cfg.rope_neox,
+                                    q_out=cp.empty(q.shape, cp.float16), biases=biases, rows=dev["rows"])
+            return flash_attn.flash_attention(q16, kc, vc, 0, out=out, wgmma=wgmma, batch=dev["flash"])
+        span = {"tab": cache.table, "n_ctx": cache.n_ctx}
         if q.shape[0] == 1:
             if any(b is not None for b in biases):
                 raise ValueError("decode attention: the q/k/v biases belong to the matvecs")
             return decode_attention(q, kc, vc, pos0, out, new_kv=(k, v), cos_sin=cos_sin,
-                                    neox=self.cfg.rope_neox, q8=q8)
+                                    neox=self.cfg.rope_neox, q8=q8, **span)
         q16 = rope_store_kv_f16(q, k, v, kc, vc, cos_sin, pos0, self.cfg.rope_neox,
-                                q_out=cp.empty(q.shape, cp.float16), biases=biases)
-        return flash_attn.flash_attention(q16, kc, vc, pos_value(pos0), out=out,
-                                          wgmma=self._settings().flash_wgmma)
+                                q_out=cp.empty(q.shape, cp.float16), biases=biases, **span)
+        return flash_attn.flash_attention(q16, kc, vc, pos_value(pos0), out=out, wgmma=wgmma, **span)
+
+    def _device(self, batch: Batch) -> dict:
+        """A Batch's device copies, made on its first layer: its rows (position,
+        cache row) and its flash layout."""
+        dev = batch.device
+        if "rows" not in dev:
+            cfg = self.cfg
+            dev["rows"] = cp.asarray(batch.rows)                                  # (T, 2) int32
+            dev["flash"] = flash_attn.FlashBatch(
+                [(int(batch.starts[i]), sp.n, sp.pos0, sp.table) for i, sp in enumerate(batch.spans)],
+                cfg.n_head, cfg.n_head_kv)
+        return dev
 
     def attention(self, q, k, v, cache, layer: int, pos0: int, out=None):
-        """Store k/v at pos0.. and attend (the backend's plain op)."""
+        """Store k/v at pos0.. and attend (the backend's plain op); a Batch: the f16
+        cache as _rope_attention_f16's store and flash attention (q, k already
+        rotated), the f32 cache one sequence at a time."""
         self._check_heads(q, k)
+        kc, vc = cache.k[layer], cache.v[layer]
+        if isinstance(pos0, Batch):
+            dev = self._device(pos0)
+            if cache.k.dtype == cp.float16:
+                store_kv_f16(k, v, kc, vc, 0, rows=dev["rows"])
+                q16 = cast_f16(q, cp.empty(q.shape, cp.float16))
+                return flash_attn.flash_attention(q16, kc, vc, 0, out=out, wgmma=self._settings().flash_wgmma,
+                                                  batch=dev["flash"])
+            y = out_array(out, (q.shape[0], q.shape[1] * q.shape[2]), "attention out")
+            for i, sp in enumerate(pos0.spans):
+                r = pos0.seq_rows(i)
+                attention_f32.attention_f32(q[r], k[r], v[r], kc, vc, sp.pos0, out=y[r],
+                                            tab=cp.asarray(list(sp.table), cp.int32))
+            return y
+        span = {"tab": cache.table, "n_ctx": cache.n_ctx}
         if cache.k.dtype == cp.float16:          # head dim 128: tensor-core flash attention
             wgmma = self._settings().flash_wgmma if q.shape[0] > 1 else True
-            return flash_attn.attention_f16(q, k, v, cache.k[layer], cache.v[layer], pos0, out=out,
-                                            wgmma=wgmma)
-        return attention_f32.attention_f32(q, k, v, cache.k[layer], cache.v[layer], pos0, out=out)
+            return flash_attn.attention_f16(q, k, v, kc, vc, pos0, out=out, wgmma=wgmma, **span)
+        return attention_f32.attention_f32(q, k, v, kc, vc, pos0, out=out, **span)
 
     def rope(self, x, pos0, out=None):
         self._rope_check(x, pos0)
+        if isinstance(pos0, Batch):
+            return rope(x, self.state.cos_sin, 0, self.cfg.rope_neox, out=out, rows=self._device(pos0)["rows"])
         return rope(x, self.state.cos_sin, pos0, self.cfg.rope_neox, out=out)
 
     def _rope_check(self, x, pos0) -> None:
-        end, table = pos_value(pos0) + x.shape[0], self.state.cos_sin
+        last = pos0.max_pos if isinstance(pos0, Batch) else pos_value(pos0) + x.shape[0] - 1
+        end, table = last + 1, self.state.cos_sin
         if table is None or end > table.shape[0]:
             raise MinferError(f"RoPE positions up to {end} exceed the "
                               f"{0 if table is None else table.shape[0]} positions prepared by new_cache")

@@ -114,6 +114,14 @@ class CUDABackend(Backend):
             self.state.rope(max_tokens, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
         return cache
 
+    def sequence_cache(self, storage: CudaCache, n_ctx: int) -> CudaCache:
+        if n_ctx < 1 or n_ctx > storage.n_rows:
+            raise MinferError(f"a sequence of {n_ctx} positions in a cache of {storage.n_rows}")
+        with self.guard(f"allocating a sequence's view of the KV cache"):
+            cache = CudaCache(self.cfg, n_ctx, storage=storage)
+            self.state.rope(n_ctx, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
+        return cache
+
     def set_rope_factors(self, factors) -> None:
         super().set_rope_factors(factors)
         self.state.cos_sin = None            # new_cache builds it again with the factors
@@ -167,6 +175,9 @@ class CUDABackend(Backend):
 
     def rows(self, x, start: int, stop: int):
         return x[start:stop]          # contiguous: a range of whole rows
+
+    def select_rows(self, x, idx):
+        return x[cp.asarray(np.asarray(idx, np.int64))]
 
     def to_numpy(self, x) -> np.ndarray:
         return cp.asnumpy(x).astype(np.float32, copy=False)

@@ -1,0 +1,106 @@
+"""Several sequences in one forward (minfer/kv/batch.py, Transformer.forward_batch)
+and the prefix cache behind the front door, on the CPU reference. Truth: each
+sequence run alone from position 0 on a contiguous cache (Engine.logits), an
+independent computation path (no block table, no batch). The CPU's BLAS may sum
+a row in another order when the GEMM has more rows, so logits agree to float32
+rounding (rtol 1e-4 of the largest logit), not bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minfer.errors import MinferError
+from minfer.kv.batch import Batch, Span
+from minfer.kv.blocks import BLOCK_TOKENS
+from minfer.kv.paged import PagedCache
+
+
+def _close(got, want):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+def test_batch_layout():
+    b = Batch([Span(0, 3, (5,)), Span(62, 4, (1, 2))])
+    assert b.n_rows == 7 and b.n_seq == 2
+    assert b.positions.tolist() == [0, 1, 2, 62, 63, 64, 65]
+    # positions 62, 63 in block 1 (rows 126, 127), 64, 65 in block 2 (rows 128, 129)
+    assert b.rows[:, 1].tolist() == [320, 321, 322, 126, 127, 128, 129]
+    assert b.logit_rows.tolist() == [2, 6]
+    assert Batch([Span(0, 3, (5,)), Span(0, 4, (1,))], logits_from=1).logit_rows.tolist() == [1, 2, 4, 5, 6]
+    assert b.key_rows(1).tolist()[:2] == [64, 65] and len(b.key_rows(1)) == 66
+
+
+@pytest.mark.parametrize("spans, match", [([], "empty batch"), ([Span(0, 0, (1,))], "at least one")])
+def test_bad_batches_are_one_line_errors(spans, match):
+    with pytest.raises(MinferError, match=match) as e:
+        Batch(spans)
+    assert "\n" not in str(e.value)
+
+
+def _prompts(engine, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, engine.cfg.vocab_size - 10, n).astype(np.int32) for n in lengths]
+
+
+def test_forward_batch_equals_each_sequence_alone(smollm2_engine):
+    e = smollm2_engine
+    prompts = _prompts(e, (5, 70, 130, 1))
+    kv = PagedCache(e.backend, 12)
+    # blocks handed out in a scrambled order: tables that are not contiguous
+    free = kv.pool.allocate(11)[::-1]
+    spans, tokens = [], []
+    for p in prompts:
+        k = PagedCache.blocks_for(len(p))
+        spans.append(Span(0, len(p), tuple(free[:k])))
+        free = free[k:]
+        tokens.append(p)
+    got = e.model.forward_batch(np.concatenate(tokens), Batch(spans), kv.storage)
+    assert got.shape == (4, e.cfg.vocab_size)
+    for i, p in enumerate(prompts):
+        _close(got[i], e.logits(p)[-1])
+    every = e.model.forward_batch(np.concatenate(tokens), Batch(spans, logits_from=0), kv.storage)
+    _close(every[5:75], e.logits(prompts[1]))
+
+
+def test_a_prompt_prefilled_in_chunks_equals_one_forward(smollm2_engine):
+    e = smollm2_engine
+    p, = _prompts(e, (150,), seed=3)
+    kv = PagedCache(e.backend, 4)
+    table = tuple(kv.pool.allocate(3)[::-1])
+    outs = []
+    for a, b in ((0, 64), (64, 100), (100, 150)):         # a block, part of one, the rest
+        outs.append(e.model.forward_batch(p[a:b], Batch([Span(a, b - a, table)], logits_from=0), kv.storage))
+    _close(np.concatenate(outs), e.logits(p))
+
+
+def test_a_chat_turn_prefills_only_what_is_new(smollm2_engine):
+    e = smollm2_engine
+    e.reset_prefix_cache()
+    msgs = [{"role": "system", "content": "You are a terse assistant. " * 12},
+            {"role": "user", "content": "Name three prime numbers."}]
+    first = e.generate(msgs, max_tokens=8)
+    assert first.stats.n_cached == 0
+    turn2 = msgs + [{"role": "assistant", "content": first.text},
+                    {"role": "user", "content": "And three more?"}]
+    before = e.kv_stats()["prefix_hit_tokens"]
+    second = e.generate(turn2, max_tokens=8)
+    n = len(second.prompt_ids)
+    # every full block of the first turn's prompt is found (the last prompt token is always computed)
+    assert second.stats.n_cached >= (len(first.prompt_ids) // BLOCK_TOKENS) * BLOCK_TOKENS > 0
+    assert second.stats.n_cached % BLOCK_TOKENS == 0 and second.stats.n_cached < n
+    assert e.kv_stats()["prefix_hit_tokens"] - before == second.stats.n_cached
+    e.reset_prefix_cache()
+    fresh = e.generate(turn2, max_tokens=8)
+    assert fresh.stats.n_cached == 0
+    assert fresh.ids == second.ids
+
+
+def test_a_failed_call_leaves_the_cache_as_it_was(smollm2_engine):
+    e = smollm2_engine
+    e.reset_prefix_cache()
+    before = e.kv_stats()
+    with pytest.raises(MinferError):
+        e.generate("hello", max_tokens=-1)
+    with pytest.raises(MinferError, match="do not fit|context"):
+        e.generate(list(range(1, e.n_ctx + 5)), max_tokens=1)
+    assert e.kv_stats()["used"] == before["used"] == 1            # the pad block alone
