@@ -18,10 +18,13 @@ from .errors import MinferError
 from .generate import Generation, complete
 from .graph.transformer import Transformer
 from .graph.weights import Weights, load_weights
+from .kv.paged import PagedCache
 from .sampling import SamplingParams
 from .text.prompt import chat_ids, check_fits, prompt_ids, render_chat
 
 DEFAULT_MAX_CTX = 4096      # default context: the model's training context, capped here
+KV_CONTEXTS = 2             # the paged cache holds this many contexts by default: a conversation
+                            # kept for its next turn beside a new prompt
 MAX_CTX = 2**31 - 1         # positions are int32 on the device; memory bounds it far sooner
 
 
@@ -82,12 +85,15 @@ class Engine:
     weights: Weights
     model: Transformer
     n_ctx: int              # default context of new_cache() and of the front door's calls
-    _cache: Any = field(default=None, init=False)       # the front door's KV cache, made once
+    kv_tokens: int | None = None    # positions of the front door's paged KV cache (None: KV_CONTEXTS contexts)
+    _kv: Any = field(default=None, init=False)          # the front door's PagedCache, made once
+    _view: Any = field(default=None, init=False)        # its sequence view: one sequence at a time
     _closed: bool = field(default=False, init=False)
 
     @classmethod
     def load(cls, path=None, backend: str = "auto", n_ctx: int | None = None,
-             progress: bool = True, settings: dict | None = None, warmup: bool = True) -> "Engine":
+             progress: bool = True, settings: dict | None = None, warmup: bool = True,
+             kv_tokens: int | None = None) -> "Engine":
         """Open, check and load a GGUF model.
 
         path: the GGUF file (None: the default model, pulled if not cached).
@@ -99,11 +105,17 @@ class Engine:
         over the environment's: for tests and benchmarks.
         warmup: run `warmup()` before returning (as `minfer generate` does), so the
         first call pays no one-time start-up of the backend.
+        kv_tokens: positions of the paged KV cache that the calls share, and whose
+        full blocks keep prefixes for later calls (default: KV_CONTEXTS contexts).
         """
         if path is None:
             from .pull import ensure_model
             path = ensure_model(progress=progress)
+        if kv_tokens is not None and (isinstance(kv_tokens, bool) or not isinstance(kv_tokens, numbers.Integral)
+                                      or kv_tokens < 1):
+            raise MinferError(f"kv_tokens must be a positive number of positions, got {kv_tokens!r}")
         engine = cls.from_file(ModelFile.open(path, n_ctx), backend, progress, settings)
+        engine.kv_tokens = kv_tokens
         if warmup:
             engine.warmup()
         return engine
@@ -140,10 +152,10 @@ class Engine:
         lengths = [t for t in self.backend.warmup_lengths if t <= self.n_ctx] or [1]
         for T in lengths:
             self.model.forward(np.full(T, tok, np.int32), 0, self.backend.new_cache(T + 1))
-        cache = self._front_cache()
-        self.model.forward(np.full(1, tok, np.int32), 0, cache)
-        for pos in range(1, min(3, cache.n_ctx)):         # the first step eager, the second captured
-            self.model.decode_greedy(tok, pos, cache)
+        # one token and three generated, as a call makes them: the first decode step
+        # eager, the second captured (a one-token prompt fills no block: nothing is
+        # left in the prefix cache)
+        self.generate([tok], max_tokens=min(3, self.n_ctx - 1) if self.n_ctx > 1 else 0, ignore_eos=True)
         self.backend.synchronize()
         self.backend.reset_counters()
         return time.perf_counter() - t0
@@ -199,16 +211,52 @@ class Engine:
         check_fits(len(ids), self.n_ctx)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise MinferError(f"sampling takes a minfer.SamplingParams, got {type(sampling).__name__}")
-        return complete(self, ids, max_tokens, ignore_eos=ignore_eos, on_text=on_text,
-                        cache=self._front_cache(), sampling=sampling)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
+            raise MinferError(f"max_tokens must be a number >= 0, got {max_tokens!r}")
+        kv, view = self._front_cache()
+        seq = kv.admit(ids)
+        try:
+            seq.reserve(min(len(ids) + int(max_tokens) + 1, self.n_ctx))
+            kv.show(view, seq)
+            out = complete(self, ids, max_tokens, ignore_eos=ignore_eos, on_text=on_text,
+                           cache=view, sampling=sampling, start=seq.n_cached)
+            # the positions whose K/V this call wrote: its full blocks now keep the prefix
+            written = [int(i) for i in ids] + out.ids
+            seq.append(written[seq.n_cached:out.stats.n_written])
+            return out
+        finally:
+            seq.free()
 
     def logits(self, ids) -> np.ndarray:
         """The logits after every position of ids (from position 0) -> float32
-        (len(ids), vocab), as computed (not checked for NaN)."""
+        (len(ids), vocab), as computed (not checked for NaN). Every position is
+        computed (none is taken from the prefix cache); its full blocks are kept
+        for later calls."""
         self._check_open()
         tokens = self._token_ids(ids, "ids")
         check_fits(len(tokens), self.n_ctx)
-        return self.model.forward(tokens, 0, self._front_cache(), logits_from=0)
+        kv, view = self._front_cache()
+        seq = kv.admit(tokens, match=False)
+        try:
+            seq.reserve(len(tokens))
+            kv.show(view, seq)
+            out = self.model.forward(tokens, 0, view, logits_from=0)
+            seq.append(tokens)
+            return out
+        finally:
+            seq.free()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every kept prefix (vLLM's reset_prefix_cache): the next call
+        prefills its whole prompt."""
+        self._check_open()
+        self._front_cache()[0].pool.reset_prefix_cache()
+
+    def kv_stats(self) -> dict:
+        """The front door's paged KV cache: blocks (all, used, cached, free) and the
+        prefix cache's tokens asked about and found (minfer.kv.blocks.BlockPool.stats)."""
+        self._check_open()
+        return self._front_cache()[0].stats()
 
     def close(self) -> None:
         """Drop the weights and caches and let the backend give back its memory;
@@ -216,7 +264,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._cache = None
+        self._kv = self._view = None
         self.weights = self.model = None
         self.backend.close()
 
@@ -236,11 +284,14 @@ class Engine:
             raise MinferError("this engine is closed")
 
     def _front_cache(self):
-        # one cache for every front-door call: each starts at position 0 and
-        # rewrites every entry it reads, and a backend's captured graphs stay valid
-        if self._cache is None:
-            self._cache = self.new_cache()
-        return self._cache
+        """(PagedCache, its view): made once for every front-door call, so that the
+        calls share prefixes and a backend's graphs captured on the view stay valid
+        (a call points the view at its sequence's blocks)."""
+        if self._kv is None:
+            n = self.kv_tokens if self.kv_tokens is not None else KV_CONTEXTS * self.n_ctx
+            self._kv = PagedCache(self.backend, max(PagedCache.blocks_for(n), PagedCache.blocks_for(self.n_ctx)) + 1)
+            self._view = self._kv.view(self.n_ctx)
+        return self._kv, self._view
 
     def _token_ids(self, ids, what: str, allow_empty: bool = False) -> np.ndarray:
         """ids as int32 (n,), each a token of this model's vocabulary."""

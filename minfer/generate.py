@@ -24,15 +24,18 @@ def check_finite(logits: np.ndarray, where: str) -> None:
 @dataclass
 class GenerationStats:
     n_prompt: int = 0
+    n_cached: int = 0           # prompt tokens whose K/V came from the prefix cache (not prefilled)
     n_generated: int = 0        # tokens produced (an end-of-generation token is not counted)
     prompt_s: float = 0.0       # prefill wall time
     decode_s: float = 0.0       # wall time of the decode steps after the first token
     stop: str = ""              # "eog" | "max_tokens" | "context"
+    n_written: int = 0          # positions whose K/V the run wrote or found: prompt + decoded inputs
 
     @property
     def prompt_tps(self) -> float | None:
-        """Prompt tokens per second of the prefill; None if nothing was timed."""
-        return self.n_prompt / self.prompt_s if self.prompt_s > 0 else None
+        """Prompt tokens prefilled per second (those from the prefix cache are not
+        counted); None if nothing was timed."""
+        return (self.n_prompt - self.n_cached) / self.prompt_s if self.prompt_s > 0 else None
 
     @property
     def decode_tps(self) -> float | None:
@@ -60,7 +63,7 @@ class Generation:
     def to_dict(self) -> dict:
         s = self.stats
         return {"prompt_ids": self.prompt_ids, "ids": self.ids, "text": self.text, "stop": s.stop,
-                "n_prompt": s.n_prompt, "n_generated": s.n_generated,
+                "n_prompt": s.n_prompt, "n_cached": s.n_cached, "n_generated": s.n_generated,
                 "prompt_s": s.prompt_s, "decode_s": s.decode_s,
                 "prompt_tps": s.prompt_tps, "decode_tps": s.decode_tps}
 
@@ -68,9 +71,12 @@ class Generation:
 def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
              on_text: Callable[[str], None] | None = None,
              stats: GenerationStats | None = None, cache=None,
-             sampling: SamplingParams | None = None) -> Iterator[int]:
+             sampling: SamplingParams | None = None, start: int = 0) -> Iterator[int]:
     """Yield up to n_predict tokens after prompt_ids: greedy, or drawn as `sampling`
     says (None or a greedy SamplingParams: the argmax).
+
+    start: positions 0..start-1 of the prompt already hold their K/V in cache (a
+    prefix cache hit): only the rest is prefilled; start < len(prompt_ids).
 
     Stops early on any of the tokenizer's end-of-generation ids (unless
     ignore_eos) or when the context is full. on_text receives the decoded text
@@ -85,13 +91,17 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
         raise MinferError(f"number of tokens to predict must be >= 0, got {n_predict}")
     stats = stats if stats is not None else GenerationStats()
     stats.n_prompt = int(prompt.size)
+    if not 0 <= start < prompt.size:
+        raise ValueError(f"generate: start {start} for a prompt of {prompt.size} tokens")
+    stats.n_cached = stats.n_written = int(start)
     model, tok = engine.model, engine.tokenizer
     cache = cache if cache is not None else engine.new_cache()
     eog = set() if ignore_eos else set(tok.eog_ids)
     dec = tok.stream_decoder()
 
     t0 = time.perf_counter()
-    logits = model.prefill(prompt, cache)                       # (vocab,)
+    logits = model.forward(prompt[start:], start, cache)[-1]    # (vocab,)
+    stats.n_written = int(prompt.size)
     engine.backend.synchronize()
     stats.prompt_s = time.perf_counter() - t0
     check_finite(logits, f"at position {prompt.size - 1}")
@@ -130,6 +140,7 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
             check_finite(logits, f"at position {pos}")
             nxt = choose(logits, pos + 1)
         pos += 1
+        stats.n_written = pos
     stats.decode_s = time.perf_counter() - t1
     if on_text is not None:
         rest = dec.flush()
@@ -139,7 +150,7 @@ def generate(engine, prompt_ids, n_predict: int, ignore_eos: bool = False,
 
 def complete(engine, prompt_ids, max_tokens: int, ignore_eos: bool = False,
              on_text: Callable[[str], None] | None = None, cache=None,
-             sampling: SamplingParams | None = None) -> Generation:
+             sampling: SamplingParams | None = None, start: int = 0) -> Generation:
     """Run `generate` to its end -> Generation (ids, text, stop reason, timings).
     on_text still receives the text piece by piece as it is produced."""
     pieces: list[str] = []
@@ -151,6 +162,7 @@ def complete(engine, prompt_ids, max_tokens: int, ignore_eos: bool = False,
 
     stats = GenerationStats()
     ids = [int(i) for i in generate(engine, prompt_ids, max_tokens, ignore_eos=ignore_eos,
-                                    on_text=take, stats=stats, cache=cache, sampling=sampling)]
+                                    on_text=take, stats=stats, cache=cache, sampling=sampling,
+                                    start=start)]
     return Generation(prompt_ids=[int(i) for i in np.asarray(prompt_ids).reshape(-1)], ids=ids,
                       text="".join(pieces), stats=stats)
