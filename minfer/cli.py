@@ -191,16 +191,18 @@ def cmd_pull(args) -> int:
 # --- perplexity ---------------------------------------------------------------
 def cmd_perplexity(args) -> int:
     from .engine import Engine, ModelFile
-    from .perplexity import perplexity, perplexity_tokens
+    from .perplexity import chunks_per_forward, perplexity, perplexity_tokens
 
     if args.chunks is not None and args.chunks < 1:
         raise MinferError(f"--chunks must be at least 1, got {args.chunks}")
+    chunks_per_forward(args.ctx_size, args.batch_size)              # -c and -b: before any file is read
     text = _read_text(args.file)
     mf = ModelFile.open(_model_path(args), args.ctx_size)
     tokens = perplexity_tokens(mf.tokenizer, text, args.ctx_size)     # before the weights load
     engine = Engine.from_file(mf, args.backend, progress=not args.quiet)
     res = perplexity(engine, text, n_ctx=args.ctx_size, progress=not args.quiet,
-                     on_chunk=lambda i, p: _out(f"[{i}]{p:.4f},"), tokens=tokens, max_chunks=args.chunks)
+                     on_chunk=lambda i, p: _out(f"[{i}]{p:.4f},"), tokens=tokens, max_chunks=args.chunks,
+                     batch_size=args.batch_size)
     _out(f"\nFinal estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}\n")
     return 0
 
@@ -313,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("-f", "--file", required=True, help="text file (- for stdin)")
     pp.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens (default 512)")
     pp.add_argument("--chunks", type=int, default=None, help="evaluate at most N chunks (default: all)")
+    pp.add_argument("-b", "--batch-size", type=int, default=None, metavar="N",
+                    help="tokens per forward, whole chunks: a multiple of -c (default: llama-perplexity's "
+                         "2048 rounded down to whole chunks, 4 chunks of 512; -b equal to -c evaluates "
+                         "one chunk at a time)")
     add_backend_arg(pp)
     pp.add_argument("-q", "--quiet", action="store_true",
                     help="no progress bar and no line naming the backend auto chose")

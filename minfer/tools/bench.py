@@ -25,6 +25,9 @@ record per test, for tools that track a figure over time). Every record names
 what made it: minfer's version, the git commit when running from a checkout,
 the device, driver and CUDA versions, the host CPU and a UTC timestamp.
 `--plot FILE.png` draws prefill tokens/s against prompt length (minfer[plot]).
+
+`-npp/-ntg/-npl` switch to llama-batched-bench's mode instead: several sequences
+prefilled and decoded together (batched_bench.py, its own table and records).
 """
 from __future__ import annotations
 
@@ -87,25 +90,27 @@ def summary(n_tokens: int, seconds: list[float], n_prompt: int = 0, n_gen: int =
 
 # --- the command ----------------------------------------------------------------
 
-def parse_lengths(s: str, flag: str = "-p") -> list[int]:
+def parse_lengths(s: str, flag: str = "-p", what: str = "token counts", example: str = "512,3325") -> list[int]:
     try:
         v = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise MinferError(f"{flag} expects comma-separated token counts like 512,3325, got {s!r}") from None
+        raise MinferError(f"{flag} expects comma-separated {what} like {example}, got {s!r}") from None
     if not v or min(v) < 1:
-        raise MinferError(f"{flag} expects positive token counts, got {s!r}")
+        raise MinferError(f"{flag} expects positive {what}, got {s!r}")
     return v
 
 
 def add_arguments(p) -> None:
     from ..cli import add_backend_arg, add_model_arg
+    from . import batched_bench
     add_model_arg(p)
-    p.add_argument("-p", "--prompt-lengths", default="512,3325",
+    # -p, -n, -d default to None so that batched mode can tell them given (main fills in the defaults)
+    p.add_argument("-p", "--prompt-lengths", default=None,
                    help="comma-separated prefill lengths (default 512,3325)")
     p.add_argument("-r", "--reps", type=int, default=5, help="timed repetitions per test (default 5)")
-    p.add_argument("-n", "--n-decode", type=int, default=128,
+    p.add_argument("-n", "--n-decode", type=int, default=None,
                    help="decode steps for the tg test (0: none; default 128)")
-    p.add_argument("-d", "--n-depth", default=str(DECODE_DEPTH),
+    p.add_argument("-d", "--n-depth", default=None,
                    help=f"comma-separated tokens in the KV cache before each tg test (default "
                         f"{DECODE_DEPTH}); a test at another depth is named like llama-bench's 'tg128 @ d3325'")
     add_backend_arg(p)
@@ -116,6 +121,7 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="FILE", default=None,
                    help="also draw prefill tokens/s against prompt length into FILE (.png, .svg, .pdf; "
                         "needs minfer[plot])")
+    batched_bench.add_arguments(p)
 
 
 def check_counts(reps: int, n_decode: int) -> None:
@@ -289,13 +295,18 @@ FORMATS = {"md": format_report, "json": json.dumps, "jsonl": format_jsonl, "csv"
 
 
 def main(args) -> int:
+    from . import batched_bench
+    if batched_bench.requested(args):      # -npp/-ntg/-npl: llama-batched-bench's mode
+        return batched_bench.main(args)
     if args.plot:
         from .plot import check_plot_target
         check_plot_target(args.plot)        # now, not after minutes of measuring
     from ..cli import model_path
-    lengths, depths = parse_lengths(args.prompt_lengths), tuple(parse_lengths(args.n_depth, "-d"))
-    check_counts(args.reps, args.n_decode)            # bad input: before a first-use download
-    r = run(model_path(args.model), lengths, args.reps, args.n_decode, args.backend, args.seed, depths)
+    lengths = parse_lengths("512,3325" if args.prompt_lengths is None else args.prompt_lengths)
+    depths = tuple(parse_lengths(str(DECODE_DEPTH) if args.n_depth is None else args.n_depth, "-d"))
+    n_decode = 128 if args.n_decode is None else args.n_decode
+    check_counts(args.reps, n_decode)            # bad input: before a first-use download
+    r = run(model_path(args.model), lengths, args.reps, n_decode, args.backend, args.seed, depths)
     print(FORMATS[args.output](r))
     if args.plot:
         from .plot import plot_throughput
