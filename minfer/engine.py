@@ -15,6 +15,7 @@ from .backend import get_backend
 from .backend.base import Backend
 from .config import ModelConfig
 from .errors import MinferError
+from .batched import generate_many
 from .generate import Generation, complete
 from .graph.transformer import Transformer
 from .graph.weights import Weights, load_weights
@@ -188,6 +189,10 @@ class Engine:
         """Generation -> Generation (.text, .ids, .prompt_ids, .stop, .stats timings):
         greedy, or drawn as `sampling` says (minfer.SamplingParams: temperature,
         top_k, top_p, min_p, penalties, seed; the same seed gives the same text).
+        A list of prompts -> a list of Generations, in order: one forward prefills
+        them all and each decode step advances all of them (minfer/batched.py).
+        A prompt whose start an earlier call left in the KV cache prefills only the
+        rest (stats.n_cached).
 
         prompt: text (tokenized with the model's BOS rule, special-token text parsed),
         token ids, or a list of chat messages. chat=True renders text as the user
@@ -196,23 +201,22 @@ class Engine:
         or when the context is full; on_text receives the text as it is produced.
         """
         self._check_open()
-        if isinstance(prompt, str):
-            if system is not None and not chat:
-                raise MinferError("a system message needs chat=True")
-            ids = prompt_ids(self.tokenizer, prompt, chat=chat, system=system)
-        elif _is_messages(prompt):
-            if system is not None:
-                raise MinferError("with a list of messages, give the system message as its first message")
-            ids = chat_ids(self.tokenizer, list(prompt))
-        else:
-            if chat or system is not None:
-                raise MinferError("chat=True needs text or a list of messages, not token ids")
-            ids = self._token_ids(prompt, "prompt")
-        check_fits(len(ids), self.n_ctx)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise MinferError(f"sampling takes a minfer.SamplingParams, got {type(sampling).__name__}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
             raise MinferError(f"max_tokens must be a number >= 0, got {max_tokens!r}")
+        if _is_batch(prompt):
+            if on_text is not None:
+                raise MinferError("on_text streams one prompt's text: give one prompt, or no on_text")
+            if len(prompt) == 0:
+                raise MinferError("empty prompt: give text, token ids, messages, or a list of prompts")
+            ids = [self._prompt_ids(p, chat, system) for p in prompt]
+            for i, p in enumerate(ids):
+                check_fits(len(p), self.n_ctx, f"prompt {i} of the batch")
+            return generate_many(self, ids, int(max_tokens), self._front_cache()[0], ignore_eos=ignore_eos,
+                                 sampling=sampling)
+        ids = self._prompt_ids(prompt, chat, system)
+        check_fits(len(ids), self.n_ctx)
         kv, view = self._front_cache()
         seq = kv.admit(ids)
         try:
@@ -226,6 +230,20 @@ class Engine:
             return out
         finally:
             seq.free()
+
+    def _prompt_ids(self, prompt, chat: bool, system: str | None) -> np.ndarray:
+        """One prompt (text, token ids or chat messages) -> its token ids."""
+        if isinstance(prompt, str):
+            if system is not None and not chat:
+                raise MinferError("a system message needs chat=True")
+            return np.asarray(prompt_ids(self.tokenizer, prompt, chat=chat, system=system), np.int32)
+        if _is_messages(prompt):
+            if system is not None:
+                raise MinferError("with a list of messages, give the system message as its first message")
+            return np.asarray(chat_ids(self.tokenizer, list(prompt)), np.int32)
+        if chat or system is not None:
+            raise MinferError("chat=True needs text or a list of messages, not token ids")
+        return self._token_ids(prompt, "prompt")
 
     def logits(self, ids) -> np.ndarray:
         """The logits after every position of ids (from position 0) -> float32
@@ -309,6 +327,14 @@ class Engine:
             i = int(np.argmax(bad))
             raise MinferError(f"{what}[{i}] = {int(a[i])} is not a token id of this model (0..{vocab - 1})")
         return a.astype(np.int32)
+
+
+def _is_batch(x) -> bool:
+    """A list of prompts (texts, token id lists or arrays, message lists), not one
+    prompt of token ids or messages."""
+    return isinstance(x, (list, tuple)) and (len(x) == 0 or all(
+        isinstance(p, (str, np.ndarray)) or (isinstance(p, (list, tuple)) and not isinstance(p, str))
+        for p in x))
 
 
 def _is_messages(x) -> bool:

@@ -104,3 +104,60 @@ def test_a_failed_call_leaves_the_cache_as_it_was(smollm2_engine):
     with pytest.raises(MinferError, match="do not fit|context"):
         e.generate(list(range(1, e.n_ctx + 5)), max_tokens=1)
     assert e.kv_stats()["used"] == before["used"] == 1            # the pad block alone
+
+
+def test_a_list_of_prompts_gives_what_each_gives_alone(smollm2_engine):
+    """generate([...]): one prefill forward, then steps of every running sequence;
+    each result as the prompt run alone (greedy; sequences stopping at different
+    steps: max_tokens of 1 and the end-of-generation token)."""
+    e = smollm2_engine
+    e.reset_prefix_cache()
+    prompts = ["The capital of France is", "def add(a, b):", "1, 2, 3, 4,"]
+    got = e.generate(prompts, max_tokens=12)
+    assert [g.prompt_ids for g in got] == [list(e.tokenize(p)) for p in prompts]
+    for p, g in zip(prompts, got):
+        alone = e.generate(p, max_tokens=12)
+        assert (g.ids, g.text, g.stop) == (alone.ids, alone.text, alone.stop)
+    one = e.generate(prompts + ["Hello"], max_tokens=1)
+    assert [len(g.ids) for g in one] == [1, 1, 1, 1] and all(g.stop == "max_tokens" for g in one)
+
+
+def test_a_list_of_prompts_with_seeded_sampling(smollm2_engine):
+    from minfer.sampling import SamplingParams
+    e = smollm2_engine
+    sp = SamplingParams(temperature=0.9, top_k=40, seed=7)
+    a = e.generate(["Once upon a time", "The weather today"], max_tokens=10, sampling=sp)
+    b = e.generate("The weather today", max_tokens=10, sampling=sp)
+    assert a[1].ids == b.ids                     # a draw does not depend on the other sequence
+
+
+def test_bad_batches_of_prompts(smollm2_engine):
+    e = smollm2_engine
+    with pytest.raises(MinferError, match="empty prompt"):
+        e.generate([], max_tokens=4)
+    with pytest.raises(MinferError, match="on_text"):
+        e.generate(["a", "b"], max_tokens=4, on_text=print)
+    with pytest.raises(MinferError, match="prompt 1 of the batch"):
+        e.generate(["a", list(range(1, e.n_ctx + 3))], max_tokens=4)
+    small = type(e)(gf=e.gf, cfg=e.cfg, tokenizer=e.tokenizer, backend=e.backend, weights=e.weights,
+                    model=e.model, n_ctx=256, kv_tokens=256)      # 4 blocks and the pad
+    with pytest.raises(MinferError, match="out of blocks"):          # 3 x 2 blocks needed
+        small.generate([list(range(10, 110))] * 3, max_tokens=8)
+    assert small.kv_stats()["used"] == 1                          # all or nothing: the pad block alone
+
+
+def test_a_decode_step_of_several_sequences_equals_each_alone(smollm2_engine):
+    e = smollm2_engine
+    prompts = _prompts(e, (9, 66, 130), seed=5)
+    kv = PagedCache(e.backend, 8)
+    spans, nxt = [], []
+    for p in prompts:
+        table = tuple(kv.pool.allocate(PagedCache.blocks_for(len(p) + 1)))
+        logits = e.model.forward_batch(p, Batch([Span(0, len(p), table)]), kv.storage)
+        nxt.append(int(np.argmax(logits[0])))
+        spans.append(Span(len(p), 1, table))
+    b = Batch(spans)
+    assert b.decode
+    got = e.model.forward_batch(np.array(nxt, np.int32), b, kv.storage)
+    for i, p in enumerate(prompts):
+        _close(got[i], e.logits(np.append(p, nxt[i]))[-1])

@@ -169,6 +169,13 @@ class Backend(ABC):
         out = step(np.array([token], dtype=np.int32), pos)
         return int(out[0]), bool(out[1])
 
+    @contextlib.contextmanager
+    def batch_rows(self, batch):
+        """Around a forward over a Batch: a backend may choose its paths by what the
+        rows are (the CUDA backend gives a decode step of several sequences its own
+        GEMM engine). The CPU's arithmetic is the same for every kind of row."""
+        yield
+
     def captured(self, cache, key, fn, x):
         """fn(x) -> y: device work that a backend may record once and replay when
         the same key comes again for this cache (CUDA graphs). The CPU runs fn(x)."""

@@ -54,7 +54,7 @@ class Transformer:
             if sp.pos0 + sp.n > cache.n_ctx:
                 raise MinferError(f"sequence {i} of the batch: {sp.pos0 + sp.n} tokens do not fit "
                                   f"the context of {cache.n_ctx}")
-        with be.guard("running the model"):
+        with be.guard("running the model"), be.batch_rows(batch):
             x = be.embed(w.token_embd, tokens)                               # (T, d)
             x = self.blocks(x, batch, cache)
             x = be.select_rows(x, batch.logit_rows)                          # (R, d)

@@ -68,6 +68,18 @@ class Batch:
         return len(self.spans)
 
     @property
+    def decode(self) -> bool:
+        """A decode step: one new row per sequence, more than one sequence."""
+        return self.n_seq > 1 and self.n_rows == self.n_seq
+
+    def table_matrix(self) -> np.ndarray:
+        """(n_seq, max blocks) int32: each sequence's table, padded with its own last
+        block (a valid block: a read of the whole row, such as the decode attention's
+        L2 prefetch, stays inside the sequence's own rows)."""
+        width = max(len(s.table) for s in self.spans)
+        return np.array([list(s.table) + [s.table[-1]] * (width - len(s.table)) for s in self.spans], np.int32)
+
+    @property
     def positions(self) -> np.ndarray:
         """(T,) int32: each row's position."""
         return self.rows[:, 0]

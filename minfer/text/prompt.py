@@ -42,10 +42,10 @@ def prompt_ids(tokenizer, text: str, chat: bool = False, system: str | None = No
     return _nonempty(tokenizer.encode(text, parse_special=True))
 
 
-def check_fits(n_prompt: int, n_ctx: int) -> None:
+def check_fits(n_prompt: int, n_ctx: int, what: str = "the prompt") -> None:
     """A prompt must leave its last position inside the context."""
     if n_prompt > n_ctx:
-        raise MinferError(f"the prompt is {n_prompt} tokens, longer than the context of {n_ctx}; "
+        raise MinferError(f"{what} is {n_prompt} tokens, longer than the context of {n_ctx}; "
                           f"shorten it or raise the context (-c, n_ctx)")
 
 
