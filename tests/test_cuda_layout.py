@@ -84,6 +84,19 @@ def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
     assert p.reads_plane == (want[2] == "q6k exp")
 
 
+def test_gemm_path_of_a_decode_step_of_several_sequences():
+    """B > 1 decode rows read each weight once on the int8 MMQ (decode_mmq), where a
+    prompt of B rows takes the f16 engine; types the MMQ lacks stay on the f16 engine;
+    one row is still the matvec."""
+    s = CudaSettings()
+    q4, q5 = _w("blk.0.ffn_up.weight", QT.Q4_K), _w("blk.0.ffn_up.weight", QT.Q5_K)
+    assert gemm_path(32, q4, s, False, decode_rows=True).counter == "q4k_mmq"
+    assert gemm_path(32, q4, s, False).counter == "q4k_f16"
+    assert gemm_path(32, q4, s.replace(decode_mmq=False), False, decode_rows=True).counter == "q4k_f16"
+    assert gemm_path(32, q5, s, False, decode_rows=True).counter == "q5k_f16"
+    assert gemm_path(1, q4, s, False, decode_rows=True).engine == "matvec"
+
+
 @pytest.mark.parametrize("T,qtypes,d_ff,n_in,settings,has_f16,cc,want", [
     (256, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), "q4k"),          # the 7B
     (512, (QT.Q4_K, QT.Q4_K), 18944, 3584, {}, False, (9, 0), "q4k"),

@@ -230,3 +230,48 @@ def test_a_chat_turn_on_the_gpu_prefills_only_what_is_new(engine):
     # the first token from the cached prefix agrees with the fresh prefill's (same argmax
     # on the synthetic model, whose logits have no near-ties at this depth)
     assert b.ids[0] == c.ids[0]
+
+
+@pytest.mark.parametrize("decode_mmq", [True, False])
+def test_a_decode_step_of_several_sequences_on_the_gpu(engine, parity_rel, decode_mmq):
+    """One forward of B one-row sequences: each row's logits within the parity bound
+    of its sequence run alone; the step takes the batched decode attention and, with
+    decode_mmq, the int8 MMQ for every weight (counted)."""
+    from minfer.kv.batch import Batch, Span
+    from minfer.kv.paged import PagedCache
+    e, be = engine, engine.backend
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, e.cfg.vocab_size, n).astype(np.int32) for n in (5, 64, 200, 300)]
+    kv = PagedCache(e.backend, 24)
+    spans, nxt = [], []
+    for p in prompts:
+        table = tuple(kv.pool.allocate(PagedCache.blocks_for(len(p) + 1)))
+        nxt.append(int(np.argmax(e.model.forward_batch(p, Batch([Span(0, len(p), table)]), kv.storage)[0])))
+        spans.append(Span(len(p), 1, table))
+    with be.using(decode_mmq=decode_mmq):
+        be.reset_counters()
+        got = e.model.forward_batch(np.array(nxt, np.int32), Batch(spans), kv.storage)
+        c = be.counters()
+    assert c.get("attn_decode_f16", 0) + c.get("attn_decode_short", 0) == e.cfg.n_layer
+    assert (c.get("q4k_mmq", 0) > 0) == decode_mmq
+    for i, p in enumerate(prompts):
+        want = e.logits(np.append(p, nxt[i]))[-1]
+        assert np.linalg.norm(got[i] - want) / np.linalg.norm(want) < parity_rel, i
+
+
+def test_a_list_of_prompts_on_the_gpu(engine):
+    """generate([...]) on the GPU: the same first token as each prompt alone, and as
+    many tokens; seeded sampling draws what the prompt alone draws."""
+    from minfer.sampling import SamplingParams
+    e = engine
+    e.reset_prefix_cache()
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, e.cfg.vocab_size, n).astype(np.int32) for n in (7, 90, 260)]
+    got = e.generate(prompts, max_tokens=8, ignore_eos=True)
+    for p, g in zip(prompts, got):
+        alone = e.generate(p, max_tokens=8, ignore_eos=True)
+        assert len(g.ids) == 8 and g.ids[0] == alone.ids[0]
+    sp = SamplingParams(temperature=1.0, seed=3)
+    a = e.generate(prompts, max_tokens=1, sampling=sp)
+    b = e.generate(prompts[2], max_tokens=1, sampling=sp)
+    assert a[2].ids == b.ids

@@ -21,14 +21,17 @@ sequences' rows, stored at their cache rows, each attending to its own keys
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ...errors import MinferError
 from ...kv.batch import Batch
+from ...kv.blocks import BLOCK_TOKENS
 from .kernels import attention as attention_f32
 from .kernels import flash_attn
 from .kernels.decode_attn import decode_attention, rope_store_kv_f16, store_kv_f16
 from .kernels.dequant_f16 import cast_f16
 from .kernels.rope import rope
-from .launch import cp, out_array, pos_value
+from .launch import DevicePos, cp, out_array, pos_value
 
 
 class AttentionBlock:
@@ -50,7 +53,9 @@ class AttentionBlock:
             q8 = self._rope_attention_f16(*self._heads(1, q, k, v), cache, layer, pos0,
                                           q8=self.state.q8(0, 1, n_q))
             return lin.linear_q8(q8, wo, residual=x)
-        if T > 1 and f16_cache and lin.all_f16(x, qkv):
+        # (a decode step of several sequences takes the third way: its linears add the
+        # biases, and the decode attention rotates, stores and attends each row)
+        if T > 1 and f16_cache and lin.all_f16(x, qkv) and not (isinstance(pos0, Batch) and pos0.decode):
             q, k, v = lin.norm_linears(x, L.attn_norm, cfg.rms_eps, qkv, (None, None, None), views=True)
             o_f16 = lin.path(T, wo).engine == "f16" and wo.n_in == n_q
             a = self._rope_attention_f16(*self._heads(T, q, k, v), cache, layer, pos0,
@@ -83,6 +88,11 @@ class AttentionBlock:
         self._rope_check(q, pos0)
         kc, vc, cos_sin = cache.k[layer], cache.v[layer], self.state.cos_sin
         wgmma = self._settings().flash_wgmma
+        if isinstance(pos0, Batch) and pos0.decode and not any(b is not None for b in biases):
+            dev = self._device(pos0)            # B decode rows: each rotates, stores and attends alone
+            return decode_attention(q, kc, vc, dev["pos"], out, new_kv=(k, v), cos_sin=cos_sin,
+                                    neox=self.cfg.rope_neox, q8=q8, tab=dev["tables"],
+                                    n_ctx=dev["tables"].shape[1] * BLOCK_TOKENS)
         if isinstance(pos0, Batch):
             dev = self._device(pos0)
             q16 = rope_store_kv_f16(q, k, v, kc, vc, cos_sin, 0, self.cfg.rope_neox,
@@ -108,6 +118,10 @@ class AttentionBlock:
             dev["flash"] = flash_attn.FlashBatch(
                 [(int(batch.starts[i]), sp.n, sp.pos0, sp.table) for i, sp in enumerate(batch.spans)],
                 cfg.n_head, cfg.n_head_kv)
+            if batch.decode:                                                      # decode_attention's
+                positions = np.ascontiguousarray(batch.positions)                  # (B,) int32
+                dev["pos"] = DevicePos(batch.max_pos, cp.asarray(positions))
+                dev["tables"] = cp.asarray(batch.table_matrix())                 # (B, blocks) int32
         return dev
 
     def attention(self, q, k, v, cache, layer: int, pos0: int, out=None):

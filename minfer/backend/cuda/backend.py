@@ -117,7 +117,7 @@ class CUDABackend(Backend):
     def sequence_cache(self, storage: CudaCache, n_ctx: int) -> CudaCache:
         if n_ctx < 1 or n_ctx > storage.n_rows:
             raise MinferError(f"a sequence of {n_ctx} positions in a cache of {storage.n_rows}")
-        with self.guard(f"allocating a sequence's view of the KV cache"):
+        with self.guard("allocating a sequence's view of the KV cache"):
             cache = CudaCache(self.cfg, n_ctx, storage=storage)
             self.state.rope(n_ctx, self.cfg.head_dim, self.cfg.rope_base, self.rope_factors)
         return cache
@@ -184,6 +184,15 @@ class CUDABackend(Backend):
 
     def synchronize(self) -> None:
         cp.cuda.get_current_stream().synchronize()
+
+    @contextlib.contextmanager
+    def batch_rows(self, batch):
+        old = self.state.decode_rows
+        self.state.decode_rows = batch.decode
+        try:
+            yield
+        finally:
+            self.state.decode_rows = old
 
     # --- CUDA graphs ---------------------------------------------------------
     def captured(self, cache, key, fn, x):

@@ -7,6 +7,8 @@ Each rule says why in one line and names the script that re-measures it
 
     f32 weight                 -> cupy matmul in f32                     counter f32_gemm
     T == 1 (decode)            -> x to q8_1, then the matvec             q4k_mv / q6k_mv ...
+    a decode step of B > 1 sequences (settings.decode_mmq)
+                               -> int8 MMQ on q8_1 activations           q4k_mmq / q6k_mmq
     q4_K / q6_K, and T < f16_min_t or a table (the LM head over many positions)
                                -> int8 MMQ on q8_1 activations           q4k_mmq / q6k_mmq
     otherwise                  -> the f16 engine: W dequantized into an   q4k_f16 / q6k_f16 /
@@ -59,10 +61,11 @@ class GemmPath:
 
 
 def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
-              has_f16: bool = False) -> GemmPath:
+              has_f16: bool = False, decode_rows: bool = False) -> GemmPath:
     """The path of x (T, n_in) @ w^T, from the token count, the weight (type, table or
     not, covered by the W_exp bundle or not), the settings, whether a plane is
-    registered for it and whether an f16 copy is kept."""
+    registered for it, whether an f16 copy is kept, and whether the rows are a
+    decode step's (one row per sequence)."""
     if w.qtype == QT.F32:
         return GemmPath("f32", "f32_gemm", None)
     if w.qtype not in PREFIX:
@@ -75,7 +78,11 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
     # short prompts and the LM head over many positions (a table): the int8 MMQ reads
     # the blocks as stored, where a dequantization would cost more than the GEMM saves
     # (settings.F16_GEMM_MIN_T; scripts/bench/gemm_paths.py re-measures it)
-    mmq = w.qtype in MMQ_TYPES and (T < settings.f16_min_t or w.table)
+    # a decode step of several sequences: a few rows, each weight read once for all of
+    # them; the f16 engine would dequantize every weight for those few rows
+    # (scripts/bench/ab.py --a decode_mmq=1 --b decode_mmq=0 on minfer bench -npl)
+    mmq = w.qtype in MMQ_TYPES and (T < settings.f16_min_t or w.table
+                                    or (decode_rows and settings.decode_mmq and not has_f16))
     engine = "mmq" if mmq else "f16"
     source = None
     if w.qtype == QT.Q6_K:

@@ -33,6 +33,9 @@ class RunState:
         self._w16 = [None, None]                 # two f16 weight slots, flat
         self.prefetched: Prefetched | None = None
         self.cos_sin = None                      # (n_pos, hd/2, 2) f32: the RoPE table
+        # the forward running now is a decode step of several sequences (one row each):
+        # paths.gemm_path gives such rows their own engine (CUDABackend.batch_rows)
+        self.decode_rows = False
 
     def q8(self, slot: int, T: int, n: int):
         """q8_1 buffers for x (T, n) in one of two slots (a decode step's FFN reads
