@@ -204,6 +204,9 @@ def cmd_perplexity(args) -> int:
                      on_chunk=lambda i, p: _out(f"[{i}]{p:.4f},"), tokens=tokens, max_chunks=args.chunks,
                      batch_size=args.batch_size)
     _out(f"\nFinal estimate: PPL = {res.ppl:.4f} +/- {res.err:.5f}\n")
+    if not args.quiet:
+        print(f"perplexity: {res.n_chunks * res.n_ctx} tokens in {res.forward_s:.2f} s of forwards "
+              f"({res.forward_tps:.0f} t/s), {res.chunks_per_forward} chunk(s) a forward", file=sys.stderr)
     return 0
 
 

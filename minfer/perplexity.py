@@ -19,6 +19,7 @@ does not capture).
 from __future__ import annotations
 
 import math
+import time
 import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -40,6 +41,16 @@ class PerplexityResult:
     n_chunks: int
     count: int                                     # scored tokens
     running: list[float] = field(default_factory=list)   # PPL after each chunk
+    forward_s: float = 0.0                         # wall time of the forwards (logits on the host), load
+                                                   # and scoring excluded
+    chunks_per_forward: int = 1
+
+    @property
+    def forward_tps(self) -> float | None:
+        """Tokens evaluated per second of forwards (n_chunks * n_ctx tokens)."""
+        return self.n_chunks * self.n_ctx / self.forward_s if self.forward_s > 0 else None
+
+    n_ctx: int = 0
 
 
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -142,8 +153,12 @@ def perplexity(engine, text: str, n_ctx: int = 512, progress: bool = True,
     nll_sum = nll2_sum = 0.0
     count = 0
     running: list[float] = []
+    forward_s = 0.0
     with bar(total=n_chunks, enabled=progress, desc="perplexity", unit="chunk", leave=False) as pbar:
-        for c, (chunk, logits) in enumerate(zip(chunks, logits_of)):        # logits (n_ctx - first, vocab)
+        for c, chunk in enumerate(chunks):
+            t0 = time.perf_counter()
+            logits = next(logits_of)                                        # (n_ctx - first, vocab)
+            forward_s += time.perf_counter() - t0
             check_finite(logits, f"in chunk {c + 1}")
             nll = token_nll(logits[:-1], chunk[first + 1:])                 # (n_ctx - 1 - first,)
             nll_sum += float(nll.sum())
@@ -157,4 +172,5 @@ def perplexity(engine, text: str, n_ctx: int = 512, progress: bool = True,
     var = nll2_sum / count - mean * mean
     ppl = math.exp(mean)
     err = ppl * math.sqrt(var / (count - 1)) if var > 0 else 0.0
-    return PerplexityResult(ppl=ppl, err=err, n_chunks=n_chunks, count=count, running=running)
+    return PerplexityResult(ppl=ppl, err=err, n_chunks=n_chunks, count=count, running=running,
+                            forward_s=forward_s, chunks_per_forward=per, n_ctx=n_ctx)

@@ -181,6 +181,12 @@ class Backend(ABC):
         the same key comes again for this cache (CUDA graphs). The CPU runs fn(x)."""
         return fn(x)
 
+    def captured_batch(self, cache, batch, fn, x):
+        """fn(x) -> y for a Batch's layers: a backend may record a decode step of B
+        sequences once and replay it for later steps of B (CUDA graphs per batch
+        size). The CPU runs fn(x)."""
+        return fn(x)
+
     def synchronize(self) -> None:
         """Wait for queued device work (timing); nothing to do on the CPU."""
 

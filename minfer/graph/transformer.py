@@ -56,7 +56,8 @@ class Transformer:
                                   f"the context of {cache.n_ctx}")
         with be.guard("running the model"), be.batch_rows(batch):
             x = be.embed(w.token_embd, tokens)                               # (T, d)
-            x = self.blocks(x, batch, cache)
+            # a decode step's layers replayed from a CUDA graph per batch size (the backend's choice)
+            x = be.captured_batch(cache, batch, lambda x: self.blocks(x, batch, cache), x)
             x = be.select_rows(x, batch.logit_rows)                          # (R, d)
             logits, = be.norm_linears(x, w.output_norm, cfg.rms_eps, (w.output,), (None,))
             return be.to_numpy(logits)                                       # (R, vocab)

@@ -24,7 +24,9 @@ run. Three modes, printed with the result:
   settings=its load-time fields)`, its run-time fields applied per rep.
 
 Per rep: prefill of P seeded random token ids from position 0, timed as
-`minfer bench` times it (CUDA events / perf_counter). "separated" means the
+`minfer bench` times it (CUDA events / perf_counter). With --batch B: B sequences
+of P tokens prefilled together, then --steps decode steps of all B, timed as
+`minfer bench -npp P -ntg STEPS -npl B` times its TG (tokens/s = B * steps / s). "separated" means the
 distributions do not overlap: max of the slower side < min of the faster.
 """
 from __future__ import annotations
@@ -52,9 +54,10 @@ def mode_of(a: dict, b: dict, backend: str) -> str:
 
 
 def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
-        logits_from: int | None = None) -> dict:
-    if reps < 1 or P < 1:
-        raise MinferError(f"-r and -p must be positive, got {reps} and {P}")
+        logits_from: int | None = None, batch: int = 0, steps: int = 32) -> dict:
+    if reps < 1 or P < 1 or batch < 0 or steps < 1:
+        raise MinferError(f"-r, -p and --steps must be positive and --batch >= 0, got {reps}, {P}, "
+                          f"{steps} and {batch}")
     mode = mode_of(a, b, backend)
     load = settings_fields.load_engine
     if mode == "toggle":
@@ -76,9 +79,26 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
     timers = {s: e.backend.timer() for s, e in engines.items()}
     tokens = prompt_ids(engines["A"].cfg.vocab_size, P, seed)
 
-    def one(side: str) -> float:
+    def one_prefill(side: str) -> float:
         with settings_fields.using(engines[side], run_fields[side]):
             return time_prefill(engines[side], caches[side], tokens, timers[side], logits_from)
+
+    one = one_prefill
+    if batch:                           # decode steps of `batch` sequences (minfer bench -npl's TG)
+        from minfer.kv.paged import PagedCache
+        from minfer.tools.batched_bench import kv_blocks, time_test
+        ids = prompt_ids(engines["A"].cfg.vocab_size, batch * (P + steps), seed)
+        prompts, step_ids = ids[:batch * P].reshape(batch, P), ids[batch * P:].reshape(steps, batch)
+        paged = {s: PagedCache(e.backend, kv_blocks(P, steps, batch)) for s, e in engines.items()}
+        tables = {s: [tuple(c.pool.allocate(PagedCache.blocks_for(P + steps))) for _ in range(batch)]
+                  for s, c in paged.items()}
+
+        def one_decode(side: str) -> float:
+            with settings_fields.using(engines[side], run_fields[side]):
+                return time_test(engines[side], paged[side].storage, tables[side], prompts, step_ids,
+                                 timers[side])[1]
+
+        one = one_decode
 
     for side in "AB":                   # warm-up, untimed: first use eager, second
         one(side)                       # captures a CUDA graph (replayed by the reps)
@@ -95,10 +115,10 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
             for k, v in (be.counters() or {}).items():     # launch paths of this side's reps
                 counts[side][k] = counts[side].get(k, 0) + v
     res = {"model": str(model), "backend": backend, "n_tokens": P, "reps": reps,
-           "logits_from": logits_from,
+           "logits_from": logits_from, "batch": batch, "steps": steps,
            "mode": mode, "order": order}
     for side, setting in (("A", a), ("B", b)):
-        tps = [P / s for s in secs[side]]
+        tps = [(batch * steps if batch else P) / s for s in secs[side]]
         res[side] = {"setting": setting, "seconds": secs[side], "tok_s": tps,
                      "median": statistics.median(tps), "min": min(tps), "max": max(tps),
                      "counters": counts[side] or None}
@@ -114,8 +134,9 @@ def run(model, P: int, reps: int, a: dict, b: dict, backend: str, seed: int,
 def report(r: dict) -> str:
     head = ("LM head on the last position" if r.get("logits_from") is None
             else f"LM head on positions {r['logits_from']}.. (perplexity-shaped)")
-    lines = [f"A/B prefill of {r['n_tokens']} tokens ({head}), {r['reps']} reps interleaved, "
-             f"{r['backend']}, mode: {r['mode']}"]
+    what = (f"A/B decode of {r['batch']} sequences, {r['steps']} steps after {r['n_tokens']} tokens each"
+            if r.get("batch") else f"A/B prefill of {r['n_tokens']} tokens ({head})")
+    lines = [f"{what}, {r['reps']} reps interleaved, {r['backend']}, mode: {r['mode']}"]
     for side in "AB":
         s = r[side]
         lines.append(f"{side} ({settings_fields.text(s['setting'])}): median {s['median']:.2f} t/s, "
@@ -144,11 +165,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logits-from", type=int, default=None,
                     help="LM head on positions N.. (0: all, as perplexity does); default: the last")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="B > 0: time decode steps of B sequences of -p tokens each instead of a prefill")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps a rep with --batch (default 32)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     args = ap.parse_args(argv)
     try:
         a, b = settings_fields.parse(args.a), settings_fields.parse(args.b)
-        r = run(args.model, args.n_tokens, args.reps, a, b, args.backend, args.seed, args.logits_from)
+        r = run(args.model, args.n_tokens, args.reps, a, b, args.backend, args.seed, args.logits_from,
+                args.batch, args.steps)
     except MinferError as e:
         print(f"ab: error: {e}", file=sys.stderr)
         return 2

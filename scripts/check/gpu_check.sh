@@ -10,7 +10,8 @@
 #   BENCH_7B=1 bash scripts/check/gpu_check.sh        # + the 7B twin: bench, A/Bs of W_exp and the fused
 #                                                     #   gate/up kernel, 3-mode greedy,
 #                                                     #   GEMM engine by prompt length (AB_7B=0 skips the
-#                                                     #   W_exp A/B, AB_GRAPHS=0 the CUDA-graph A/B)
+#                                                     #   W_exp A/B, AB_GRAPHS=0 the CUDA-graph A/B),
+#                                                     #   the batched bench (BATCH_7B=0 skips it)
 #
 # The Python steps run as modules from the repository root (python3 -m scripts.check.golden,
 # python3 -m scripts.bench.ab, ...); the A/B and greedy-mode steps name CudaSettings
@@ -196,41 +197,70 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
         # with the fused gate/up kernel off (a prompt of ~150 tokens: long enough to take it);
         # each mode a fresh process of scripts/check/greedy_stream.py: the text into
         # /tmp/g7b_MODE.txt, its launch counters (`NAME: N` lines) into /tmp/g7b_MODE.err
-        P="$(printf 'The capital of France is Paris. %.0s' $(seq 22))The capital of Italy is"
-        for mode in exp off miss chain; do
-            case $mode in
-                exp) envs=(); sets=() ;; off) envs=(MINFER_MMQ_Q6K_EXP=0); sets=() ;;
-                miss) envs=(); sets=(--set force_exp_miss=1) ;; chain) envs=(); sets=(--set gateup_fused=0) ;;
-            esac
-            env "${envs[@]}" timeout 120 python3 -m scripts.check.greedy_stream -m "$TWIN" -n 40 -p "$P" \
-                -o "/tmp/g7b_$mode.txt" "${sets[@]}" >"/tmp/g7b_$mode.err" 2>&1
-            echo "--- 7B greedy, mode $mode: $(wc -c <"/tmp/g7b_$mode.txt") bytes; $(grep -E 'q6k (exp|exp=off|fallback!):' "/tmp/g7b_$mode.err" | tr '\n' ' ')" >>"$LOG/bench.log"
-        done
-        if [ -s /tmp/g7b_exp.txt ] && cmp -s /tmp/g7b_exp.txt /tmp/g7b_off.txt && cmp -s /tmp/g7b_exp.txt /tmp/g7b_miss.txt \
-                && cmp -s /tmp/g7b_exp.txt /tmp/g7b_chain.txt; then
-            record 7b-greedy-modes ok "$(wc -c </tmp/g7b_exp.txt) bytes identical in exp / exp=off / fallback! / gate/up chain"
-        else
-            record 7b-greedy-modes FAIL "streams differ or are empty (see bench.log)"
+        if [ "${GREEDY_7B:-1}" = 1 ]; then      # the greedy identity steps (GREEDY_7B=0 skips them)
+            P="$(printf 'The capital of France is Paris. %.0s' $(seq 22))The capital of Italy is"
+            for mode in exp off miss chain; do
+                case $mode in
+                    exp) envs=(); sets=() ;; off) envs=(MINFER_MMQ_Q6K_EXP=0); sets=() ;;
+                    miss) envs=(); sets=(--set force_exp_miss=1) ;; chain) envs=(); sets=(--set gateup_fused=0) ;;
+                esac
+                env "${envs[@]}" timeout 120 python3 -m scripts.check.greedy_stream -m "$TWIN" -n 40 -p "$P" \
+                    -o "/tmp/g7b_$mode.txt" "${sets[@]}" >"/tmp/g7b_$mode.err" 2>&1
+                echo "--- 7B greedy, mode $mode: $(wc -c <"/tmp/g7b_$mode.txt") bytes; $(grep -E 'q6k (exp|exp=off|fallback!):' "/tmp/g7b_$mode.err" | tr '\n' ' ')" >>"$LOG/bench.log"
+            done
+            if [ -s /tmp/g7b_exp.txt ] && cmp -s /tmp/g7b_exp.txt /tmp/g7b_off.txt && cmp -s /tmp/g7b_exp.txt /tmp/g7b_miss.txt \
+                    && cmp -s /tmp/g7b_exp.txt /tmp/g7b_chain.txt; then
+                record 7b-greedy-modes ok "$(wc -c </tmp/g7b_exp.txt) bytes identical in exp / exp=off / fallback! / gate/up chain"
+            else
+                record 7b-greedy-modes FAIL "streams differ or are empty (see bench.log)"
+            fi
+            # the same at a prompt long enough for the f16 gate/up kernel (~2,000 tokens), whose
+            # launches hand each next layer's gate/up on: its stream against the chain's,
+            # and its counters live (every layer's launch, all but the last with the next pair)
+            P="$(printf 'The capital of France is Paris. %.0s' $(seq 280))The capital of Italy is"
+            for mode in exp chain; do
+                case $mode in exp) sets=() ;; chain) sets=(--set gateup_fused=0) ;; esac
+                timeout 120 python3 -m scripts.check.greedy_stream -m "$TWIN" -n 24 -p "$P" \
+                    -o "/tmp/g7l_$mode.txt" "${sets[@]}" >"/tmp/g7l_$mode.err" 2>&1
+                echo "--- 7B greedy, long prompt, mode $mode: $(wc -c <"/tmp/g7l_$mode.txt") bytes; $(grep -E '^(gateup_swiglu_f16|gate/up prefetch):' "/tmp/g7l_$mode.err" | tr '\n' ' ')" >>"$LOG/bench.log"
+            done
+            # the f16 kernel's launches (counted by kernel name: absent where none ran) and the
+            # launches that also prefetched the next layer's pair
+            f16n=$(grep -oP '^gateup_swiglu_f16: \K[0-9]+' /tmp/g7l_exp.err); ahn=$(grep -oP '^gate/up prefetch: \K[0-9]+' /tmp/g7l_exp.err)
+            chn=$(grep -oP '^gateup_swiglu_f16: \K[0-9]+' /tmp/g7l_chain.err)
+            if [ -s /tmp/g7l_exp.txt ] && cmp -s /tmp/g7l_exp.txt /tmp/g7l_chain.txt && [ "${f16n:-0}" -gt 0 ] \
+                    && [ "${ahn:-0}" -gt 0 ] && [ "${chn:-0}" = 0 ]; then
+                record 7b-greedy-long ok "$(wc -c </tmp/g7l_exp.txt) bytes identical, f16 kernel / chain (gateup_swiglu_f16 $f16n, prefetch $ahn)"
+            else
+                record 7b-greedy-long FAIL "streams differ, are empty, or the f16 kernel did not run (see bench.log)"
+            fi
         fi
-        # the same at a prompt long enough for the f16 gate/up kernel (~2,000 tokens), whose
-        # launches hand each next layer's gate/up on: its stream against the chain's,
-        # and its counters live (every layer's launch, all but the last with the next pair)
-        P="$(printf 'The capital of France is Paris. %.0s' $(seq 280))The capital of Italy is"
-        for mode in exp chain; do
-            case $mode in exp) sets=() ;; chain) sets=(--set gateup_fused=0) ;; esac
-            timeout 120 python3 -m scripts.check.greedy_stream -m "$TWIN" -n 24 -p "$P" \
-                -o "/tmp/g7l_$mode.txt" "${sets[@]}" >"/tmp/g7l_$mode.err" 2>&1
-            echo "--- 7B greedy, long prompt, mode $mode: $(wc -c <"/tmp/g7l_$mode.txt") bytes; $(grep -E '^(gateup_swiglu_f16|gate/up prefetch):' "/tmp/g7l_$mode.err" | tr '\n' ' ')" >>"$LOG/bench.log"
-        done
-        # the f16 kernel's launches (counted by kernel name: absent where none ran) and the
-        # launches that also prefetched the next layer's pair
-        f16n=$(grep -oP '^gateup_swiglu_f16: \K[0-9]+' /tmp/g7l_exp.err); ahn=$(grep -oP '^gate/up prefetch: \K[0-9]+' /tmp/g7l_exp.err)
-        chn=$(grep -oP '^gateup_swiglu_f16: \K[0-9]+' /tmp/g7l_chain.err)
-        if [ -s /tmp/g7l_exp.txt ] && cmp -s /tmp/g7l_exp.txt /tmp/g7l_chain.txt && [ "${f16n:-0}" -gt 0 ] \
-                && [ "${ahn:-0}" -gt 0 ] && [ "${chn:-0}" = 0 ]; then
-            record 7b-greedy-long ok "$(wc -c </tmp/g7l_exp.txt) bytes identical, f16 kernel / chain (gateup_swiglu_f16 $f16n, prefetch $ahn)"
-        else
-            record 7b-greedy-long FAIL "streams differ, are empty, or the f16 kernel did not run (see bench.log)"
+        if [ "${BATCH_7B:-1}" = 1 ]; then        # many sequences per forward (BATCH_7B=0 skips it)
+            # llama-batched-bench's table: 32 x 128 and 8 x 512 prefilled in one forward, decode at B 1/8/32
+            timeout 300 python3 -m minfer bench -m "$TWIN" -npp 128,512 -ntg 128 -npl 1,8,32 -r ${BATCH_REPS:-3} \
+                >"$LOG/bb.txt" 2>&1
+            rc=$?
+            cat "$LOG/bb.txt" >>"$LOG/bench.log"
+            for pb in "128 32" "512 8" "512 32"; do
+                set -- $pb
+                v=$(awk -F'|' -v pp=$1 -v b=$2 '$2+0 == pp && $4+0 == b {printf "S_PP %s S_TG %s", $7, $9}' "$LOG/bb.txt" | tr -s ' ')
+                [ $rc = 0 ] && [ -n "$v" ] && record "7b-batch-${1}x${2}" ok "$v t/s" || record "7b-batch-${1}x${2}" FAIL "rc=$rc"
+            done
+            rm -f "$LOG/bb.txt"
+            # perplexity's forwards: four 512-token chunks a forward (-b 2048, the default) against one
+            for b in 512 2048; do
+                timeout 200 python3 -m minfer perplexity -m "$TWIN" -f tests/fixtures/perplexity_gpl3.txt \
+                    -c 512 -b $b >"$LOG/ppl.txt" 2>&1
+                rc=$?
+                cat "$LOG/ppl.txt" >>"$LOG/bench.log"
+                v=$(grep -oP '^perplexity: \K.*' "$LOG/ppl.txt")
+                [ $rc = 0 ] && [ -n "$v" ] && record "7b-ppl-b$b" ok "$v" || record "7b-ppl-b$b" FAIL "rc=$rc"
+            done
+            rm -f "$LOG/ppl.txt"
+            # a decode step of B sequences: the int8 MMQ against the f16 engine (settings.decode_mmq)
+            for B in 8 32; do
+                ab_step "ab-decode-mmq-b$B" -p 512 --batch $B --steps 32 -r ${AB_REPS:-5} --a decode_mmq=1 --b decode_mmq=0
+            done
         fi
         if [ "${GEMM_PATHS:-1}" = 1 ]; then      # the GEMM engine by prompt length (GEMM_PATHS=0 skips it)
             timeout 150 python3 -m scripts.bench.gemm_paths -r 7 >>"$LOG/bench.log" 2>&1 \

@@ -89,7 +89,7 @@ class AttentionBlock:
         kc, vc, cos_sin = cache.k[layer], cache.v[layer], self.state.cos_sin
         wgmma = self._settings().flash_wgmma
         if isinstance(pos0, Batch) and pos0.decode and not any(b is not None for b in biases):
-            dev = self._device(pos0)            # B decode rows: each rotates, stores and attends alone
+            dev = self._decode_device(pos0)     # B decode rows: each rotates, stores and attends alone
             return decode_attention(q, kc, vc, dev["pos"], out, new_kv=(k, v), cos_sin=cos_sin,
                                     neox=self.cfg.rope_neox, q8=q8, tab=dev["tables"],
                                     n_ctx=dev["tables"].shape[1] * BLOCK_TOKENS)
@@ -109,19 +109,25 @@ class AttentionBlock:
         return flash_attn.flash_attention(q16, kc, vc, pos_value(pos0), out=out, wgmma=wgmma, **span)
 
     def _device(self, batch: Batch) -> dict:
-        """A Batch's device copies, made on its first layer: its rows (position,
-        cache row) and its flash layout."""
-        dev = batch.device
+        """A Batch's device copies, made on first use and shared by the layers: its rows
+        (position, cache row) and its flash layout."""
+        dev, cfg = batch.device, self.cfg
         if "rows" not in dev:
-            cfg = self.cfg
             dev["rows"] = cp.asarray(batch.rows)                                  # (T, 2) int32
             dev["flash"] = flash_attn.FlashBatch(
                 [(int(batch.starts[i]), sp.n, sp.pos0, sp.table) for i, sp in enumerate(batch.spans)],
                 cfg.n_head, cfg.n_head_kv)
-            if batch.decode:                                                      # decode_attention's
-                positions = np.ascontiguousarray(batch.positions)                  # (B,) int32
-                dev["pos"] = DevicePos(batch.max_pos, cp.asarray(positions))
-                dev["tables"] = cp.asarray(batch.table_matrix())                 # (B, blocks) int32
+        return dev
+
+    def _decode_device(self, batch: Batch) -> dict:
+        """A decode step's positions (a DevicePos of B) and block tables (B, blocks):
+        made here, or bound beforehand to the fixed buffers a captured step reads
+        (CUDABackend.captured_batch)."""
+        dev = batch.device
+        if "pos" not in dev:
+            positions = np.ascontiguousarray(batch.positions)                     # (B,) int32
+            dev["pos"] = DevicePos(batch.max_pos, cp.asarray(positions))
+            dev["tables"] = cp.asarray(batch.table_matrix())                     # (B, blocks) int32
         return dev
 
     def attention(self, q, k, v, cache, layer: int, pos0: int, out=None):

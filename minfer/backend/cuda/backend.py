@@ -206,6 +206,18 @@ class CUDABackend(Backend):
             return fn(x)
         return self.graphs.run(cache.graphs, (key, self.settings), fn, x)
 
+    def captured_batch(self, cache, batch, fn, x):
+        """A decode step of B sequences (f16 cache) runs from a CUDA graph per (B, table
+        width, one- or two-launch attention): its positions and block tables are copied
+        into buffers of the storage that every replay reads (kv_cache.BatchSlots);
+        anything else (a prompt's rows) runs eagerly."""
+        if not (batch.decode and self.settings.graphs and not self.graphs.failed
+                and cache.k.dtype == cp.float16):
+            return fn(x)
+        key, dev = cache.bind_decode(batch)
+        return self.graphs.run(cache.graphs, (key, decode_attn.decode_short(batch.max_pos), self.settings),
+                               fn, x)
+
     def decode(self, cache, step, token: int, pos: int) -> tuple[int, bool]:
         """step(token, pos) on the device, token and position in a device buffer that
         the kernels read: a CUDA graph per cache, replayed one step ahead of the host

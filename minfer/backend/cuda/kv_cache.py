@@ -16,7 +16,7 @@ import numpy as np
 from ...config import ModelConfig
 from ...kv.blocks import BLOCK_TOKENS
 from .kernels.decode_attn import FA_HD
-from .launch import cp
+from .launch import DevicePos, cp
 
 
 class CudaCache:
@@ -40,10 +40,30 @@ class CudaCache:
         self.graphs: dict = {}                  # key -> graphs.Graph, or SEEN after a first eager run
         self.queued = None                      # decode.Queued: the decode step queued on the stream
         self.io = None                          # decode.DecodeIO: pinned buffers of the decode steps
+        self.batch_slots: dict = {}             # (B, W) -> the buffers of a batched decode step (bind_decode)
 
     @property
     def n_rows(self) -> int:
         return self.k.shape[1]
+
+    def bind_decode(self, batch) -> tuple:
+        """Point a decode Batch's device copies at this cache's buffers for B rows and a
+        table width W (blocks, rounded up to a power of two): the positions (B,) and
+        tables (B, W) int32 a captured decode step reads, filled from the batch now.
+        -> (the graph key's part, batch.device)"""
+        B = batch.n_seq
+        tables = batch.table_matrix()                                     # (B, blocks)
+        W = min(1 << (tables.shape[1] - 1).bit_length(), self.n_rows // BLOCK_TOKENS)
+        if tables.shape[1] < W:                                           # pad with each row's last block
+            tables = np.concatenate([tables, np.repeat(tables[:, -1:], W - tables.shape[1], 1)], 1)
+        slots = self.batch_slots.get((B, W))
+        if slots is None:
+            slots = self.batch_slots[(B, W)] = (cp.zeros(B, cp.int32), cp.zeros((B, W), cp.int32))
+        pos, tab = slots
+        pos.set(np.ascontiguousarray(batch.positions))
+        tab.set(np.ascontiguousarray(tables))
+        batch.device.update(pos=DevicePos(batch.max_pos, pos), tables=tab)
+        return ("decode batch", B, W), batch.device
 
     def set_table(self, blocks, pad: int) -> None:
         """The sequence this view reads: its blocks, the rest of the table `pad` (a
