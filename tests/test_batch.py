@@ -161,3 +161,10 @@ def test_a_decode_step_of_several_sequences_equals_each_alone(smollm2_engine):
     got = e.model.forward_batch(np.array(nxt, np.int32), b, kv.storage)
     for i, p in enumerate(prompts):
         _close(got[i], e.logits(np.append(p, nxt[i]))[-1])
+
+
+def test_a_table_outside_the_cache_is_refused(smollm2_engine):
+    e = smollm2_engine
+    kv = PagedCache(e.backend, 3)
+    with pytest.raises(ValueError, match="outside"):
+        e.model.forward_batch(np.array([5, 6], np.int32), Batch([Span(0, 2, (3,))]), kv.storage)

@@ -88,8 +88,9 @@ def test_gemm_path_of_a_decode_step_of_several_sequences():
     """B > 1 decode rows read each weight once on the int8 MMQ (decode_mmq), where a
     prompt of B rows takes the f16 engine; types the MMQ lacks stay on the f16 engine;
     one row is still the matvec."""
-    s = CudaSettings()
+    s = CudaSettings(decode_mmq=True)
     q4, q5 = _w("blk.0.ffn_up.weight", QT.Q4_K), _w("blk.0.ffn_up.weight", QT.Q5_K)
+    assert gemm_path(32, q4, CudaSettings(), False, decode_rows=True).counter == "q4k_f16"   # the default
     assert gemm_path(32, q4, s, False, decode_rows=True).counter == "q4k_mmq"
     assert gemm_path(32, q4, s, False).counter == "q4k_f16"
     assert gemm_path(32, q4, s.replace(decode_mmq=False), False, decode_rows=True).counter == "q4k_f16"

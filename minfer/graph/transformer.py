@@ -50,10 +50,13 @@ class Transformer:
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         if tokens.shape != (batch.n_rows,):
             raise ValueError(f"forward_batch: {tokens.shape} tokens for a batch of {batch.n_rows} rows")
+        n_blocks = cache.n_ctx // batch.block_tokens              # the storage's blocks
         for i, sp in enumerate(batch.spans):
-            if sp.pos0 + sp.n > cache.n_ctx:
-                raise MinferError(f"sequence {i} of the batch: {sp.pos0 + sp.n} tokens do not fit "
-                                  f"the context of {cache.n_ctx}")
+            # the kernels write through these tables: a block outside the storage would
+            # be a write outside it
+            if min(sp.table) < 0 or max(sp.table) >= n_blocks:
+                raise ValueError(f"forward_batch: sequence {i}'s table names blocks outside the "
+                                 f"cache's {n_blocks}")
         with be.guard("running the model"), be.batch_rows(batch):
             x = be.embed(w.token_embd, tokens)                               # (T, d)
             # a decode step's layers replayed from a CUDA graph per batch size (the backend's choice)

@@ -7,7 +7,7 @@ Each rule says why in one line and names the script that re-measures it
 
     f32 weight                 -> cupy matmul in f32                     counter f32_gemm
     T == 1 (decode)            -> x to q8_1, then the matvec             q4k_mv / q6k_mv ...
-    a decode step of B > 1 sequences (settings.decode_mmq)
+    a decode step of B > 1 sequences, with settings.decode_mmq (off: measured slower)
                                -> int8 MMQ on q8_1 activations           q4k_mmq / q6k_mmq
     q4_K / q6_K, and T < f16_min_t or a table (the LM head over many positions)
                                -> int8 MMQ on q8_1 activations           q4k_mmq / q6k_mmq
@@ -79,8 +79,11 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
     # the blocks as stored, where a dequantization would cost more than the GEMM saves
     # (settings.F16_GEMM_MIN_T; scripts/bench/gemm_paths.py re-measures it)
     # a decode step of several sequences: a few rows, each weight read once for all of
-    # them; the f16 engine would dequantize every weight for those few rows
-    # (scripts/bench/ab.py --a decode_mmq=1 --b decode_mmq=0 on minfer bench -npl)
+    # them, where the f16 engine dequantizes every weight for those few rows. Off by
+    # default: on the 7B the MMQ at 8 rows measured 1.44x slower a step (interleaved,
+    # separated; 1.17x at 32, not separated), so neither engine is the answer (a matvec
+    # of B vectors is: docs/PERF.md section 6). scripts/bench/ab.py --batch B --a
+    # decode_mmq=1 --b decode_mmq=0 re-measures it.
     mmq = w.qtype in MMQ_TYPES and (T < settings.f16_min_t or w.table
                                     or (decode_rows and settings.decode_mmq and not has_f16))
     engine = "mmq" if mmq else "f16"

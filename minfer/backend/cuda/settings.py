@@ -48,7 +48,7 @@ class CudaSettings:
     ffn_f16: bool = True           # the FFN's (T, d_ff) intermediates in f16, not f32
     gateup_fused: bool = True      # the gate/up + SwiGLU kernels where paths.GATEUP_KERNELS says
     flash_wgmma: bool = True       # the wgmma flash attention where the GPU has it (else mma.sync)
-    decode_mmq: bool = True        # a decode step of several sequences on the int8 MMQ (else the f16 engine)
+    decode_mmq: bool = False       # a decode step of several sequences on the int8 MMQ (else the f16 engine)
     dependent_launches: bool = True  # programmatic dependent launches in captured graphs (dependent.py)
     force_exp_miss: bool = False   # every W_exp registration fails (the `q6k fallback!` path)
 
