@@ -11,11 +11,13 @@ command, which imports this package first) stays cheap.
 
 __version__ = "0.1.0"      # the one place the version is written (pyproject reads it)
 
-__all__ = ["Engine", "Generation", "GenerationStats", "MinferError", "SamplingParams", "__version__"]
+__all__ = ["Engine", "Generation", "GenerationStats", "MinferError", "SamplingParams", "ScoreResult",
+           "TokenLogprob", "__version__"]
 
 _EXPORTS = {"Engine": "minfer.engine", "Generation": "minfer.generate",
             "GenerationStats": "minfer.generate", "MinferError": "minfer.errors",
-            "SamplingParams": "minfer.sampling"}
+            "SamplingParams": "minfer.sampling", "ScoreResult": "minfer.engine",
+            "TokenLogprob": "minfer.generate"}
 
 
 def __getattr__(name: str):

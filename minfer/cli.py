@@ -134,9 +134,12 @@ def cmd_generate(args) -> int:
     from .engine import Engine, ModelFile
     from .sampling import SamplingParams
     from .text.prompt import check_fits, prompt_ids
+    from .text.stops import StopMatcher
 
     prompt = _prompt_text(args)
     system = _arg_text(args.system, "--system")
+    # escapes processed as in -p (llama.cpp does so for its -r), so --stop '\n' is a newline
+    stop = StopMatcher([_arg_text(t, "--stop", escapes=not args.no_escape) for t in args.stop]).stops
     if prompt == "":
         raise MinferError("empty prompt: give some text with -p or -f")
     if args.n_predict < 0:
@@ -152,12 +155,13 @@ def cmd_generate(args) -> int:
         engine.warmup()
     # --json: stdout is one JSON object at the end, nothing streamed before it
     gen = engine.generate(ids, args.n_predict, ignore_eos=args.ignore_eos,
-                          on_text=None if args.json else _out, sampling=sampling)
+                          on_text=None if args.json else _out, sampling=sampling, stop=stop)
     s = gen.stats
     if args.json:
         _out(json.dumps({"model": str(model), "backend": engine.backend.name, **gen.to_dict()},
                         ensure_ascii=False) + "\n")
-    note = {"context": " (context full)", "eog": " (end of generation)"}.get(s.stop, "")
+    note = {"context": " (context full)", "eog": " (end of generation)",
+            "stop": f" (stop string {s.stop_string!r})"}.get(s.stop, "")
     print(("" if args.json else "\n") + f"prompt: {s.n_prompt} tokens, {_tps(s.prompt_tps)} tok/s | "
           f"generation: {s.n_generated} tokens, {_tps(s.decode_tps)} tok/s{note} "
           f"[{engine.backend.name}]", file=sys.stderr)
@@ -272,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message for --chat")
     add_backend_arg(g)
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    g.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="end the text before the first occurrence of STR (repeatable: the earliest of "
+                        "them; escapes processed as in -p; llama-cli's -r, OpenAI's and llama-server's stop)")
     smp = g.add_argument_group("sampling (llama-cli's flags; the default --temp 0 is greedy)")
     smp.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy)")
     smp.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
@@ -288,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "throwaway cache, as llama.cpp's): the first prompt then pays the backend's "
                         "one-time start-up")
     g.add_argument("--json", action="store_true",
-                   help="print one JSON object at the end (prompt and generated ids, text, stop reason, "
-                        "timings) instead of streaming the text")
+                   help="print one JSON object at the end (prompt and generated ids, text, stop reason "
+                        "and stop string, timings) instead of streaming the text")
     g.add_argument("-q", "--quiet", action="store_true",
                    help="no progress bar and no line naming the backend auto chose")
     g.set_defaults(func=cmd_generate)

@@ -16,12 +16,14 @@ from .backend.base import Backend
 from .config import ModelConfig
 from .errors import MinferError
 from .batched import generate_many
-from .generate import Generation, complete
+from .generate import Generation, checked_logprobs, complete
 from .graph.transformer import Transformer
 from .graph.weights import Weights, load_weights
 from .kv.paged import PagedCache
+from .logprobs import prompt_logprobs
 from .sampling import SamplingParams
 from .text.prompt import chat_ids, check_fits, prompt_ids, render_chat
+from .text.stops import StopMatcher
 
 DEFAULT_MAX_CTX = 4096      # default context: the model's training context, capped here
 KV_CONTEXTS = 2             # the paged cache holds this many contexts by default: a conversation
@@ -66,6 +68,21 @@ class ModelFile:
             raise
 
 
+@dataclass
+class ScoreResult:
+    """What `Engine.score` returns for one input: its token ids, each token's
+    log-probability given the tokens before it (raw: softmax of the logits,
+    minfer/logprobs.py), and their sum."""
+    ids: list[int]
+    # one per id; the first is None, having no tokens before it (OpenAI's echo
+    # convention: null), so logprobs[t] lines up with ids[t]
+    logprobs: list[float | None]
+    total: float                # the sum of logprobs[1:] (0.0 for one token): log P(ids[1:] | ids[0])
+
+    def to_dict(self) -> dict:
+        return {"ids": self.ids, "logprobs": self.logprobs, "total": self.total}
+
+
 @dataclass(repr=False)
 class Engine:
     """A loaded model, and the Python front door to it:
@@ -75,7 +92,7 @@ class Engine:
             out = engine.generate("def fibonacci(n):", max_tokens=64)
             print(out.text, out.stop, out.stats.decode_tps)
 
-    generate / logits / tokenize / detokenize / apply_chat_template are the calls
+    generate / score / logits / tokenize / detokenize / apply_chat_template are the calls
     for users; the parts (.cfg .tokenizer .backend .weights .model, new_cache())
     stay public for the tests, the benchmarks and the scripts.
     """
@@ -185,7 +202,8 @@ class Engine:
 
     def generate(self, prompt, max_tokens: int = 128, *, chat: bool = False, system: str | None = None,
                  ignore_eos: bool = False, on_text: Callable[[str], None] | None = None,
-                 sampling: SamplingParams | None = None) -> Generation:
+                 sampling: SamplingParams | None = None, stop: str | list[str] | None = None,
+                 logprobs: int | None = None) -> Generation:
         """Generation -> Generation (.text, .ids, .prompt_ids, .stop, .stats timings):
         greedy, or drawn as `sampling` says (minfer.SamplingParams: temperature,
         top_k, top_p, min_p, penalties, seed; the same seed gives the same text).
@@ -197,14 +215,28 @@ class Engine:
         prompt: text (tokenized with the model's BOS rule, special-token text parsed),
         token ids, or a list of chat messages. chat=True renders text as the user
         message of the chat template, after an optional `system` message.
-        Stops after max_tokens, at an end-of-generation token (unless ignore_eos)
-        or when the context is full; on_text receives the text as it is produced.
+        Stops after max_tokens, at an end-of-generation token (unless ignore_eos),
+        when the context is full, or at the first occurrence of a `stop` string (a
+        string or a list) in the generated text: .text ends before it (as OpenAI's
+        API), .stop is "stop" and .stop_string says which; .ids keep every token up
+        to and including the one whose text decided the stop (as llama.cpp's server;
+        OpenAI returns text alone). on_text receives the text as it is produced,
+        a tail that may be the start of a stop string held back until decided.
+
+        logprobs: None (off: greedy steps read back the chosen id alone), 0 (each
+        generated token's log-probability), or n in 1..20 (also the n most likely
+        tokens of its step) -> .logprobs, a minfer.TokenLogprob per id: the raw
+        distribution (softmax of the logits, before penalties and temperature). A
+        greedy step with logprobs reads its logits back and takes the same argmax on
+        the host (the first maximum).
         """
         self._check_open()
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise MinferError(f"sampling takes a minfer.SamplingParams, got {type(sampling).__name__}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 0:
             raise MinferError(f"max_tokens must be a number >= 0, got {max_tokens!r}")
+        stop = StopMatcher(stop).stops          # checked here: a bad one touches no cache
+        logprobs = checked_logprobs(logprobs)
         if _is_batch(prompt):
             if on_text is not None:
                 raise MinferError("on_text streams one prompt's text: give one prompt, or no on_text")
@@ -214,7 +246,7 @@ class Engine:
             for i, p in enumerate(ids):
                 check_fits(len(p), self.n_ctx, f"prompt {i} of the batch")
             return generate_many(self, ids, int(max_tokens), self._front_cache()[0], ignore_eos=ignore_eos,
-                                 sampling=sampling)
+                                 sampling=sampling, stop=stop, logprobs=logprobs)
         ids = self._prompt_ids(prompt, chat, system)
         check_fits(len(ids), self.n_ctx)
         kv, view = self._front_cache()
@@ -223,8 +255,9 @@ class Engine:
             seq.reserve(min(len(ids) + int(max_tokens) + 1, self.n_ctx))
             kv.show(view, seq)
             out = complete(self, ids, max_tokens, ignore_eos=ignore_eos, on_text=on_text,
-                           cache=view, sampling=sampling, start=seq.n_cached)
+                           cache=view, sampling=sampling, start=seq.n_cached, stop=stop, logprobs=logprobs)
             # the positions whose K/V this call wrote: its full blocks now keep the prefix
+            # (a run ended by a stop string wrote all but its last token, as any other)
             written = [int(i) for i in ids] + out.ids
             seq.append(written[seq.n_cached:out.stats.n_written])
             return out
@@ -263,6 +296,36 @@ class Engine:
             return out
         finally:
             seq.free()
+
+    def score(self, inputs) -> ScoreResult | list[ScoreResult]:
+        """Each token's log-probability given the tokens before it (teacher forcing:
+        Engine.logits of the whole input, then minfer.logprobs.prompt_logprobs) ->
+        a ScoreResult (.ids, .logprobs with None first, .total); a list of inputs ->
+        a list of ScoreResults, in order.
+
+        An input is text (tokenized with the model's BOS rule, special-token text
+        parsed, as generate does) or token ids; it must fit the context."""
+        self._check_open()
+        batch = _is_batch(inputs)
+        if batch and len(inputs) == 0:
+            raise MinferError("score: empty list: give text, token ids, or a list of them")
+        seqs = []
+        for i, x in enumerate(inputs if batch else [inputs]):
+            what = f"input {i}" if batch else "input"
+            if isinstance(x, str):
+                if not x:
+                    raise MinferError(f"score: {what} is empty text: nothing to score")
+                ids = np.asarray(prompt_ids(self.tokenizer, x), np.int32)
+            else:
+                ids = self._token_ids(x, what)
+            check_fits(len(ids), self.n_ctx, f"{what} of the list" if batch else "the input")
+            seqs.append(ids)
+        out = []
+        for ids in seqs:                        # every input checked before any is computed
+            lp = prompt_logprobs(self.logits(ids), ids)
+            out.append(ScoreResult(ids=ids.tolist(), logprobs=[None] + lp[1:].tolist(),
+                                   total=float(lp[1:].astype(np.float64).sum())))
+        return out if batch else out[0]
 
     def reset_prefix_cache(self) -> None:
         """Forget every kept prefix (vLLM's reset_prefix_cache): the next call

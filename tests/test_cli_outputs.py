@@ -46,8 +46,9 @@ def test_generate_json(tiny, capsys):
     assert rc == 0, err
     assert out.count("\n") == 1                          # one object on one line, nothing streamed
     r = json.loads(out)
-    assert set(r) == {"model", "backend", "prompt_ids", "ids", "text", "stop", "n_prompt", "n_cached",
-                      "n_generated", "prompt_s", "decode_s", "prompt_tps", "decode_tps"}
+    assert set(r) == {"model", "backend", "prompt_ids", "ids", "text", "stop", "stop_string", "logprobs",
+                      "n_prompt", "n_cached", "n_generated", "prompt_s", "decode_s", "prompt_tps", "decode_tps"}
+    assert r["stop_string"] is None and r["logprobs"] is None          # no --stop; logprobs: Python only
     assert r["model"] == str(tiny) and r["backend"] == "cpu"
     assert all(isinstance(i, int) for i in r["prompt_ids"] + r["ids"])
     assert len(r["ids"]) == r["n_generated"] == 4 and r["stop"] == "max_tokens"
