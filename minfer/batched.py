@@ -9,7 +9,8 @@ host from each step's logits (greedy: the first maximum, as the one-prompt path'
 device argmax; sampled: minfer/sampling.py, by the sequence's own seed and
 positions, so a draw does not depend on the other sequences), so logprobs cost no
 extra read. The text and the stop strings go through generate.TextOut, as one
-prompt's do.
+prompt's do. Each result's prompt_s and decode_s are the batch's wall times (all
+sequences together), so its own tokens/s figures understate the batch's.
 """
 from __future__ import annotations
 
