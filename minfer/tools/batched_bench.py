@@ -49,8 +49,8 @@ import numpy as np
 from ..errors import MinferError
 from ..kv.batch import Batch, Span
 from ..kv.paged import PagedCache
-from .bench import (DEVICE_KEYS, RECORD_KEYS, _size, check_counts, parse_lengths, prompt_ids,
-                    provenance)
+from .bench import (DEVICE_KEYS, RECORD_KEYS, _size, check_counts, memory_and_counter_lines, parse_lengths,
+                    prompt_ids, provenance)
 from .runinfo import git_commit, host_cpu, utc_timestamp, version
 
 COLUMNS = ("pp", "tg", "b", "n_kv", "t_pp", "s_pp", "t_tg", "s_tg", "t", "s")   # a row's keys
@@ -244,17 +244,7 @@ def format_report(r: dict) -> str:
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {c['pp']} | {c['tg']} | {c['b']} | {c['blocks']} | {c['positions']:,} | "
               f"{c['bytes']:,} | {_size(c['bytes'])} |" for c in r["kv"]]
-    check = r.get("memory_check") or {}
-    lines += ["", "| memory (largest test) | bytes | |", "| --- | ---: | ---: |"]
-    for kind, v in r["memory"].items():
-        note = _size(v)
-        if kind == "W_exp planes" and "W_exp planes expected" in check:
-            verdict = "OK" if check.get("problem") is None else f"MISMATCH: {check['problem']}"
-            note = f"expected od×id over the tensor table = {check['W_exp planes expected']:,}: {verdict}"
-        lines.append(f"| {kind} | {v:,} | {note} |")
-    if r["counters"] is not None:
-        lines += ["", "| launch path | count (timed runs) |", "| --- | ---: |"]
-        lines += [f"| {k} | {v} |" for k, v in r["counters"].items()]
+    lines += memory_and_counter_lines(r, "memory (largest test)")
     return "\n".join(lines)
 
 

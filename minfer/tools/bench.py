@@ -277,8 +277,15 @@ def format_report(r: dict) -> str:
     for name, t in r["tests"].items():
         lines.append(f"| {name} | {t['reps']} | {t['median']:.2f} | {t['min']:.2f} | "
                      f"{t['max']:.2f} | {t['stdev']:.2f} |")
+    lines += memory_and_counter_lines(r, "memory")
+    return "\n".join(lines)
+
+
+def memory_and_counter_lines(r: dict, title: str) -> list[str]:
+    """A run record's memory table (the W_exp planes checked against the tensor table)
+    and, where the backend counts them, its launch paths: the tables both bench modes print."""
     check = r.get("memory_check") or {}
-    lines += ["", "| memory | bytes | |", "| --- | ---: | ---: |"]
+    lines = ["", f"| {title} | bytes | |", "| --- | ---: | ---: |"]
     for kind, v in r["memory"].items():
         note = _size(v)
         if kind == "W_exp planes" and "W_exp planes expected" in check:
@@ -288,7 +295,7 @@ def format_report(r: dict) -> str:
     if r["counters"] is not None:
         lines += ["", "| launch path | count (timed runs) |", "| --- | ---: |"]
         lines += [f"| {k} | {v} |" for k, v in r["counters"].items()]
-    return "\n".join(lines)
+    return lines
 
 
 FORMATS = {"md": format_report, "json": json.dumps, "jsonl": format_jsonl, "csv": format_csv}
