@@ -37,7 +37,7 @@ from ..config import ModelConfig
 from ..errors import MinferError
 from .base import Backend
 from ..kv.batch import Batch
-from ..kv.blocks import BLOCK_TOKENS
+from ..kv.blocks import BLOCK_TOKENS, cache_rows
 from .host_memory import available_bytes
 
 
@@ -86,10 +86,7 @@ class CPUCache:
 
     def rows_of(self, start: int, stop: int) -> np.ndarray | slice:
         """The cache rows of positions start..stop-1."""
-        if self.table is None:
-            return slice(start, stop)
-        p = np.arange(start, stop, dtype=np.int64)
-        return self.table[p // BLOCK_TOKENS] * BLOCK_TOKENS + p % BLOCK_TOKENS
+        return slice(start, stop) if self.table is None else cache_rows(self.table, start, stop)
 
 
 FIT_FRACTION = 0.7     # f32 weights may take this share of the available memory

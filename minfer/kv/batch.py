@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import MinferError
-from .blocks import BLOCK_TOKENS
+from .blocks import BLOCK_TOKENS, cache_rows
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Batch:
         self.starts = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)     # (n_seq + 1,)
         self.n_rows = int(self.starts[-1])
         pos = np.concatenate([np.arange(s.pos0, s.pos0 + s.n) for s in spans])  # (T,)
-        rows = np.concatenate([_cache_rows(s.table, s.pos0, s.n, block_tokens) for s in spans])
+        rows = np.concatenate([cache_rows(s.table, s.pos0, s.pos0 + s.n, block_tokens) for s in spans])
         self.rows = np.stack([pos, rows], axis=1).astype(np.int32)             # (T, 2): position, cache row
         self.max_pos = int(pos.max())
         if logits_from is None:
@@ -91,10 +91,5 @@ class Batch:
         """(pos0 + n,) int64: the cache rows of sequence s's positions 0..pos0+n-1 (the
         keys its last row sees)."""
         sp = self.spans[s]
-        return _cache_rows(sp.table, 0, sp.pos0 + sp.n, self.block_tokens)
+        return cache_rows(sp.table, 0, sp.pos0 + sp.n, self.block_tokens)
 
-
-def _cache_rows(table, start: int, n: int, block_tokens: int) -> np.ndarray:
-    """The cache rows of positions start..start+n-1 through a block table -> int64 (n,)."""
-    p = np.arange(start, start + n, dtype=np.int64)
-    return np.asarray(table, np.int64)[p // block_tokens] * block_tokens + p % block_tokens

@@ -29,6 +29,14 @@ from ..errors import MinferError
 BLOCK_TOKENS = 64   # positions per block: the prefill flash attention's key tile and the decode attention's split are 64 keys, so a tile never straddles two blocks
 
 
+def cache_rows(table, start: int, stop: int, block_tokens: int = BLOCK_TOKENS) -> np.ndarray:
+    """The cache rows of positions start..stop-1 through a block table -> int64
+    (stop - start,): table[p // bt] * bt + p % bt, the host side's form of the
+    kernels' kv_row (kernels/common.cuh)."""
+    p = np.arange(start, stop, dtype=np.int64)
+    return np.asarray(table, np.int64)[p // block_tokens] * block_tokens + p % block_tokens
+
+
 def token_array(tokens) -> np.ndarray:
     """tokens as int32 little-endian, the bytes the hash reads; ids outside int32 are a ValueError."""
     a = np.asarray(tokens, dtype=np.int64).reshape(-1)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import MinferError
-from .blocks import BlockPool, block_hashes, chain_hash, token_array
+from .blocks import BlockPool, block_hashes, cache_rows, chain_hash, token_array
 
 
 class SeqBlocks:
@@ -78,14 +78,13 @@ class SeqBlocks:
             self.pool.register_hashes(self.table[start:len(self._hashes)], self._hashes[start:])
 
     def slots(self, start: int, stop: int) -> np.ndarray:
-        """(stop - start,) int32: the cache rows of positions start..stop-1,
-        table[p // bt] * bt + p % bt."""
+        """(stop - start,) int32: the cache rows of positions start..stop-1
+        (blocks.cache_rows)."""
         self._live()
         bt = self.pool.block_tokens
         if not 0 <= start <= stop <= len(self.table) * bt:
             raise ValueError(f"kv: slots({start}, {stop}) outside the {len(self.table) * bt} reserved positions")
-        p = np.arange(start, stop, dtype=np.int64)
-        return (np.asarray(self.table, np.int64)[p // bt] * bt + p % bt).astype(np.int32)
+        return cache_rows(self.table, start, stop, bt).astype(np.int32)
 
     def free(self) -> None:
         """Release every block, last first (so the pool evicts this sequence's longest
