@@ -92,4 +92,3 @@ class Batch:
         keys its last row sees)."""
         sp = self.spans[s]
         return cache_rows(sp.table, 0, sp.pos0 + sp.n, self.block_tokens)
-
