@@ -3,6 +3,7 @@
 The CLI, tests and benchmarks all start here."""
 from __future__ import annotations
 
+import contextlib
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -154,14 +155,15 @@ class Engine:
                    model=Transformer(mf.cfg, be, weights), n_ctx=mf.n_ctx)
 
     def warmup(self) -> float:
-        """Short prefills (the backend's warmup_lengths) on throwaway caches and two
-        greedy decode steps on the front door's cache, as llama.cpp's warm-up run:
+        """Short prefills (the backend's warmup_lengths) on throwaway caches and a
+        one-token generation of three tokens through the front door (its prefill and
+        two greedy decode steps on the front door's cache view), as llama.cpp's warm-up run:
         what a backend does once per process on first use (the CUDA backend:
         cuBLASLt's handle and the GEMM kernels it preloads per weight shape, the
         kernel modules from CuPy's cache, the scratch buffers) and once per cache (the
         decode step's CUDA graph, captured on a cache's second step) happens here
-        instead of inside the first prompt's timing. Every front-door call starts at
-        position 0 and rewrites what it reads, so the steps leave no trace.
+        instead of inside the first prompt's timing. A one-token prompt fills no
+        block, so nothing is left in the prefix cache.
         -> seconds it took. Launch counters are reset afterwards, so they count the
         caller's work only."""
         self._check_open()
@@ -170,9 +172,7 @@ class Engine:
         lengths = [t for t in self.backend.warmup_lengths if t <= self.n_ctx] or [1]
         for T in lengths:
             self.model.forward(np.full(T, tok, np.int32), 0, self.backend.new_cache(T + 1))
-        # one token and three generated, as a call makes them: the first decode step
-        # eager, the second captured (a one-token prompt fills no block: nothing is
-        # left in the prefix cache)
+        # as a call makes them: the first decode step eager, the second captured
         self.generate([tok], max_tokens=min(3, self.n_ctx - 1) if self.n_ctx > 1 else 0, ignore_eos=True)
         self.backend.synchronize()
         self.backend.reset_counters()
@@ -249,11 +249,7 @@ class Engine:
                                  sampling=sampling, stop=stop, logprobs=logprobs)
         ids = self._prompt_ids(prompt, chat, system)
         check_fits(len(ids), self.n_ctx)
-        kv, view = self._front_cache()
-        seq = kv.admit(ids)
-        try:
-            seq.reserve(min(len(ids) + int(max_tokens) + 1, self.n_ctx))
-            kv.show(view, seq)
+        with self._sequence(ids, min(len(ids) + int(max_tokens) + 1, self.n_ctx)) as (view, seq):
             out = complete(self, ids, max_tokens, ignore_eos=ignore_eos, on_text=on_text,
                            cache=view, sampling=sampling, start=seq.n_cached, stop=stop, logprobs=logprobs)
             # the positions whose K/V this call wrote: its full blocks now keep the prefix
@@ -261,8 +257,6 @@ class Engine:
             written = [int(i) for i in ids] + out.ids
             seq.append(written[seq.n_cached:out.stats.n_written])
             return out
-        finally:
-            seq.free()
 
     def _prompt_ids(self, prompt, chat: bool, system: str | None) -> np.ndarray:
         """One prompt (text, token ids or chat messages) -> its token ids."""
@@ -286,16 +280,10 @@ class Engine:
         self._check_open()
         tokens = self._token_ids(ids, "ids")
         check_fits(len(tokens), self.n_ctx)
-        kv, view = self._front_cache()
-        seq = kv.admit(tokens, match=False)
-        try:
-            seq.reserve(len(tokens))
-            kv.show(view, seq)
+        with self._sequence(tokens, len(tokens), match=False) as (view, seq):
             out = self.model.forward(tokens, 0, view, logits_from=0)
             seq.append(tokens)
             return out
-        finally:
-            seq.free()
 
     def score(self, inputs) -> ScoreResult | list[ScoreResult]:
         """Each token's log-probability given the tokens before it (teacher forcing:
@@ -363,6 +351,21 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise MinferError("this engine is closed")
+
+    @contextlib.contextmanager
+    def _sequence(self, ids, n_total: int, match: bool = True):
+        """One call's sequence in the front door's paged cache: its cached prefix matched
+        (unless match=False), blocks reserved for n_total positions (all or nothing),
+        the view pointed at them -> (view, SeqBlocks); its blocks released afterwards,
+        also when the call fails (what the caller appended stays in the prefix cache)."""
+        kv, view = self._front_cache()
+        seq = kv.admit(ids, match=match)
+        try:
+            seq.reserve(n_total)
+            kv.show(view, seq)
+            yield view, seq
+        finally:
+            seq.free()
 
     def _front_cache(self):
         """(PagedCache, its view): made once for every front-door call, so that the
