@@ -168,3 +168,11 @@ def test_a_table_outside_the_cache_is_refused(smollm2_engine):
     kv = PagedCache(e.backend, 3)
     with pytest.raises(ValueError, match="outside"):
         e.model.forward_batch(np.array([5, 6], np.int32), Batch([Span(0, 2, (3,))]), kv.storage)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "4096"])
+def test_a_bad_kv_size_is_one_line_before_the_load(smollm2_path, bad):
+    from minfer.engine import Engine
+    with pytest.raises(MinferError, match="kv_tokens must be a positive number") as e:
+        Engine.load(str(smollm2_path), backend="cpu", kv_tokens=bad, progress=False)
+    assert "\n" not in str(e.value)
