@@ -70,10 +70,10 @@ __device__ __forceinline__ size_t row_bytes(int K) {
 //   acc += d*sc_j * d_a * sum(q*xq) - dmin*m_j * s_a
 // the min term once per sub-block (by the l0 == 0 lane). The block's first 16 bytes
 // (d, dmin, scales) come in as one uint4.
-template <int R>
+template <int R, int NB>
 __device__ __forceinline__ void dot_q4k(const u8* const (&rows)[R], const i8* __restrict__ xq,
                                         const float* __restrict__ xd, const float* __restrict__ xs,
-                                        int K, int lane, int kw, int nkw, float (&acc)[R]) {
+                                        int K, int lane, int kw, int nkw, float (&acc)[R][NB]) {
     const int nb = K / QK_K;
     const int c = lane % 8, i = c / 2, l0 = (c % 2) * 16;
     const float first = l0 == 0 ? 1.0f : 0.0f;          // this lane adds the min terms
@@ -86,8 +86,23 @@ __device__ __forceinline__ void dot_q4k(const u8* const (&rows)[R], const i8* __
             q[r] = __ldg((const uint4*)(blk + Q4K_QS + 16 * c));
         }
         const int e0 = b * QK_K + 64 * i + l0, g0 = b * (QK_K / QK8_1) + 2 * i;
-        const uint4 xa = *(const uint4*)(xq + e0), xb = *(const uint4*)(xq + e0 + 32);
-        const float da0 = xd[g0], da1 = xd[g0 + 1], sa0 = first * xs[g0], sa1 = first * xs[g0 + 1];
+        if constexpr (NB == 1) {
+            const uint4 xa = *(const uint4*)(xq + e0), xb = *(const uint4*)(xq + e0 + 32);
+            const float da0 = xd[g0], da1 = xd[g0 + 1], sa0 = first * xs[g0], sa1 = first * xs[g0 + 1];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const u32 lo[4] = {q[r].x & 0x0F0F0F0Fu, q[r].y & 0x0F0F0F0Fu,
+                                   q[r].z & 0x0F0F0F0Fu, q[r].w & 0x0F0F0F0Fu};
+                const u32 hi[4] = {(q[r].x >> 4) & 0x0F0F0F0Fu, (q[r].y >> 4) & 0x0F0F0F0Fu,
+                                   (q[r].z >> 4) & 0x0F0F0F0Fu, (q[r].w >> 4) & 0x0F0F0F0Fu};
+                int sc[2], m[2];
+                q4k_scales2(2 * i, hd[r].y, hd[r].z, hd[r].w, sc, m);
+                const float d = f16_to_f32((u16)(hd[r].x & 0xFFFF)), dmin = f16_to_f32((u16)(hd[r].x >> 16));
+                acc[r][0] += d * (float)sc[0] * da0 * (float)dot16_s8(lo, xa) - dmin * (float)m[0] * sa0;
+                acc[r][0] += d * (float)sc[1] * da1 * (float)dot16_s8(hi, xb) - dmin * (float)m[1] * sa1;
+            }
+            continue;
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const u32 lo[4] = {q[r].x & 0x0F0F0F0Fu, q[r].y & 0x0F0F0F0Fu,
@@ -97,8 +112,16 @@ __device__ __forceinline__ void dot_q4k(const u8* const (&rows)[R], const i8* __
             int sc[2], m[2];
             q4k_scales2(2 * i, hd[r].y, hd[r].z, hd[r].w, sc, m);
             const float d = f16_to_f32((u16)(hd[r].x & 0xFFFF)), dmin = f16_to_f32((u16)(hd[r].x >> 16));
-            acc[r] += d * (float)sc[0] * da0 * (float)dot16_s8(lo, xa) - dmin * (float)m[0] * sa0;
-            acc[r] += d * (float)sc[1] * da1 * (float)dot16_s8(hi, xb) - dmin * (float)m[1] * sa1;
+#pragma unroll
+            for (int v = 0; v < NB; ++v) {                   // x row v: the same sums as alone
+                const i8* xv = xq + (size_t)v * K;
+                const float* dv = xd + (size_t)v * (K / QK8_1);
+                const float* sv = xs + (size_t)v * (K / QK8_1);
+                const uint4 xa = *(const uint4*)(xv + e0), xb = *(const uint4*)(xv + e0 + 32);
+                const float da0 = dv[g0], da1 = dv[g0 + 1], sa0 = first * sv[g0], sa1 = first * sv[g0 + 1];
+                acc[r][v] += d * (float)sc[0] * da0 * (float)dot16_s8(lo, xa) - dmin * (float)m[0] * sa0;
+                acc[r][v] += d * (float)sc[1] * da1 * (float)dot16_s8(hi, xb) - dmin * (float)m[1] * sa1;
+            }
         }
     }
 }
@@ -111,10 +134,10 @@ __device__ __forceinline__ void dot_q4k(const u8* const (&rows)[R], const i8* __
 //   acc += d*sc * d_a * (sum(u*xq) - 32*sum(xq))
 // with sum(xq) formed once per slice for all rows. ql, qh and the 16 scales come in
 // as uint4s, d as one 16-bit load. (The sums xs are not needed.)
-template <int R>
+template <int R, int NB>
 __device__ __forceinline__ void dot_q6k(const u8* const (&rows)[R], const i8* __restrict__ xq,
                                         const float* __restrict__ xd, int K, int lane, int kw, int nkw,
-                                        float (&acc)[R]) {
+                                        float (&acc)[R][NB]) {
     const int nb = K / QK_K;
     const int c = lane % 8, h = c / 4, m = (c / 2) % 2, l0 = (c % 2) * 16;
     const u32 ones[4] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
@@ -129,100 +152,131 @@ __device__ __forceinline__ void dot_q6k(const u8* const (&rows)[R], const i8* __
             sc[r] = __ldg((const uint4*)(blk + Q6K_SC));
             dh[r] = __ldg((const u16*)(blk + Q6K_D));
         }
-        uint4 xv[2];
-        float da[2], off[2];
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {                         // k=0: low nibbles, k=1: high
-            const int q = m + 2 * k;
-            xv[k] = *(const uint4*)(xq + b * QK_K + 128 * h + 32 * q + l0);
-            da[k] = xd[b * (QK_K / QK8_1) + 4 * h + q];
-            off[k] = 32.0f * (float)dot16_s8(ones, xv[k]);    // 32 * sum(xq)
-        }
+        for (int v = 0; v < NB; ++v) {                       // x row v: the same sums as alone
+            uint4 xv[2];
+            float da[2], off[2];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const u32 wl[4] = {ql[r].x, ql[r].y, ql[r].z, ql[r].w};
-            const u32 wh[4] = {qh[r].x, qh[r].y, qh[r].z, qh[r].w};
-            const float d = f16_to_f32(dh[r]);
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
+            for (int k = 0; k < 2; ++k) {                     // k=0: low nibbles, k=1: high
                 const int q = m + 2 * k;
-                u32 u[4];
+                xv[k] = *(const uint4*)(xq + (size_t)v * K + b * QK_K + 128 * h + 32 * q + l0);
+                da[k] = xd[(size_t)v * (K / QK8_1) + b * (QK_K / QK8_1) + 4 * h + q];
+                off[k] = 32.0f * (float)dot16_s8(ones, xv[k]);    // 32 * sum(xq)
+            }
 #pragma unroll
-                for (int w = 0; w < 4; ++w)
-                    u[w] = ((wl[w] >> (4 * k)) & 0x0F0F0F0Fu) | (((wh[w] >> (2 * q)) & 0x03030303u) << 4);
-                const int sub = 8 * h + 2 * q + l0 / 16;
-                acc[r] += d * (float)(i8)byte_of(word_of(sc[r], sub / 4), sub % 4) * da[k] *
-                          ((float)dot16_s8(u, xv[k]) - off[k]);
+            for (int r = 0; r < R; ++r) {
+                const u32 wl[4] = {ql[r].x, ql[r].y, ql[r].z, ql[r].w};
+                const u32 wh[4] = {qh[r].x, qh[r].y, qh[r].z, qh[r].w};
+                const float d = f16_to_f32(dh[r]);
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const int q = m + 2 * k;
+                    u32 u[4];
+#pragma unroll
+                    for (int w = 0; w < 4; ++w)
+                        u[w] = ((wl[w] >> (4 * k)) & 0x0F0F0F0Fu) | (((wh[w] >> (2 * q)) & 0x03030303u) << 4);
+                    const int sub = 8 * h + 2 * q + l0 / 16;
+                    acc[r][v] += d * (float)(i8)byte_of(word_of(sc[r], sub / 4), sub % 4) * da[k] *
+                                 ((float)dot16_s8(u, xv[k]) - off[k]);
+                }
             }
         }
     }
 }
 
 // the 32-element group types: lane l takes groups l, l+32, ... of its rows
-template <int QT, int R>
+template <int QT, int R, int NB>
 __device__ __forceinline__ void dot_q32(const u8* const (&rows)[R], const i8* __restrict__ xq,
                                         const float* __restrict__ xd, const float* __restrict__ xs,
-                                        int K, int lane, int kw, int nkw, float (&acc)[R]) {
+                                        int K, int lane, int kw, int nkw, float (&acc)[R][NB]) {
     const int ng = K / 32;
     const u32 ones[8] = {0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u,
                          0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u};
     for (int gi = lane + 32 * kw; gi < ng; gi += 32 * nkw) {
-        const uint4 x0 = *(const uint4*)(xq + 32 * gi), x1 = *(const uint4*)(xq + 32 * gi + 16);
-        const float da = xd[gi], sa = xs[gi];
-        const int sx = dot32(ones, x0, x1);                    // sum(xq)
+        if constexpr (NB == 1) {
+            const uint4 x0 = *(const uint4*)(xq + 32 * gi), x1 = *(const uint4*)(xq + 32 * gi + 16);
+            const float da = xd[gi], sa = xs[gi];
+            const int sx = dot32(ones, x0, x1);                // sum(xq)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const Group g = decode<QT>(rows[r], gi);
+                acc[r][0] += g.a * da * (float)(dot32(g.u, x0, x1) - g.z * sx) + g.b * sa;
+            }
+            continue;
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const Group g = decode<QT>(rows[r], gi);
-            acc[r] += g.a * da * (float)(dot32(g.u, x0, x1) - g.z * sx) + g.b * sa;
+#pragma unroll
+            for (int v = 0; v < NB; ++v) {                   // x row v: the same sums as alone
+                const i8* xv = xq + (size_t)v * K + 32 * gi;
+                const uint4 x0 = *(const uint4*)xv, x1 = *(const uint4*)(xv + 16);
+                const float da = xd[(size_t)v * ng + gi], sa = xs[(size_t)v * ng + gi];
+                const int sx = dot32(ones, x0, x1);            // sum(xq)
+                acc[r][v] += g.a * da * (float)(dot32(g.u, x0, x1) - g.z * sx) + g.b * sa;
+            }
         }
     }
 }
 
-template <int QT, int R>
+template <int QT, int R, int NB>
 __device__ __forceinline__ void dot_rows(const u8* const (&rows)[R], const i8* __restrict__ xq,
                                          const float* __restrict__ xd, const float* __restrict__ xs,
-                                         int K, int lane, int kw, int nkw, float (&acc)[R]) {
+                                         int K, int lane, int kw, int nkw, float (&acc)[R][NB]) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-    if constexpr (QT == QT_Q4K) dot_q4k<R>(rows, xq, xd, xs, K, lane, kw, nkw, acc);
-    else if constexpr (QT == QT_Q6K) dot_q6k<R>(rows, xq, xd, K, lane, kw, nkw, acc);
-    else dot_q32<QT, R>(rows, xq, xd, xs, K, lane, kw, nkw, acc);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int v = 0; v < NB; ++v) acc[r][v] = 0.0f;
+    if constexpr (QT == QT_Q4K) dot_q4k<R, NB>(rows, xq, xd, xs, K, lane, kw, nkw, acc);
+    else if constexpr (QT == QT_Q6K) dot_q6k<R, NB>(rows, xq, xd, K, lane, kw, nkw, acc);
+    else dot_q32<QT, R, NB>(rows, xq, xd, xs, K, lane, kw, nkw, acc);
 }
 
-// One warp's (or, split, one block's) R rows from row0 of W (od, K) into y.
-template <int QT, int R>
+// One warp's (or, split, one block's) R rows from row0 of W (od, K) into y, for each
+// of the NB rows of x (y, res and x row v at v*od, v*od, v*K).
+template <int QT, int R, int NB>
 __device__ __forceinline__ void rows_out(const u8* __restrict__ W, const float* __restrict__ bias,
                                          const float* res, float* y, int od, int row0, int K,
                                          const i8* __restrict__ xq, const float* __restrict__ xd,
                                          const float* __restrict__ xs, int split, int warp, int lane,
-                                         float (&s_part)[MV_WARPS][R]) {
+                                         float (&s_part)[MV_WARPS][R][NB]) {
     const u8* rows[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) rows[r] = W + (size_t)min(row0 + r, od - 1) * row_bytes<QT>(K);
-    float acc[R];
-    dot_rows<QT, R>(rows, xq, xd, xs, K, lane, warp % split, split, acc);
+    float acc[R][NB];
+    dot_rows<QT, R, NB>(rows, xq, xd, xs, K, lane, warp % split, split, acc);
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int v = 0; v < NB; ++v) acc[r][v] = warp_sum(acc[r][v]);
     if (split > 1) {
         if (lane == 0) {
 #pragma unroll
-            for (int r = 0; r < R; ++r) s_part[warp][r] = acc[r];
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int v = 0; v < NB; ++v) s_part[warp][r][v] = acc[r][v];
         }
         __syncthreads();
         if (warp != 0) return;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float v = s_part[0][r];
-            for (int w = 1; w < split; ++w) v += s_part[w][r];
-            acc[r] = v;
-        }
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int v = 0; v < NB; ++v) {
+                float t = s_part[0][r][v];
+                for (int w = 1; w < split; ++w) t += s_part[w][r][v];
+                acc[r][v] = t;
+            }
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         if (lane == 0 && row0 + r < od) {
-            float o = bias ? acc[r] + bias[row0 + r] : acc[r];
-            if (res) o = res[row0 + r] + o;
-            y[row0 + r] = o;
+#pragma unroll
+            for (int v = 0; v < NB; ++v) {
+                const size_t at = (size_t)v * od + row0 + r;
+                float o = bias ? acc[r][v] + bias[row0 + r] : acc[r][v];
+                if (res) o = res[at] + o;
+                y[at] = o;
+            }
         }
     }
 }
@@ -254,15 +308,19 @@ __device__ __forceinline__ void matvec_prefetch_l2(int K, int split, int qb_mask
     if (r0 < r1) block_prefetch_l2(W + (size_t)r0 * rb, min((size_t)(r1 - r0) * rb, (size_t)MV_PREFETCH));
 }
 
-// q8_1 x (K,) -> y_s = W_s @ x [+ bias_s] [+ res_s] for s = 0..2 (od_s = 0: unused);
-// weight s is of type QB where bit s of qb_mask is set, else QA (a q6_K attn_v
-// beside q4_K q and k: one launch).
+// q8_1 x (NB, K) -> y_s (NB, od_s) = x @ W_s^T [+ bias_s] [+ res_s] for s = 0..2
+// (od_s = 0: unused); weight s is of type QB where bit s of qb_mask is set, else QA
+// (a q6_K attn_v beside q4_K q and k: one launch). Each weight row is read once for
+// the NB rows of x, and each output is the sum it is for one row alone (NB = 1): the
+// order of a row's sums depends on neither NB nor R.
 // split 1: each warp owns R rows over all of K, a block MV_WARPS*R rows;
 // split MV_WARPS: the block's warps share R rows, warp w taking every
 // MV_WARPS-th slice of K, and their sums meet in shared memory (in warp order).
-// grid = the blocks of the three weights, in order.
-template <int QA, int QB, int R>
-__global__ void __launch_bounds__(MV_WARPS * 32, MV_MIN_BLOCKS)
+// grid = the blocks of the three weights, in order. One row of x keeps the register
+// cap of MV_MIN_BLOCKS; several need more accumulators (R*NB a lane) and take what
+// MV_MIN_BLOCKS_NB blocks a SM leave.
+template <int QA, int QB, int R, int NB>
+__global__ void __launch_bounds__(MV_WARPS * 32, NB == 1 ? MV_MIN_BLOCKS : MV_MIN_BLOCKS_NB)
 matvec(const i8* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs, int K,
        int split, int qb_mask,
        const u8* __restrict__ W0, const float* __restrict__ bias0, const float* res0, float* y0, int od0,
@@ -270,7 +328,7 @@ matvec(const i8* __restrict__ xq, const float* __restrict__ xd, const float* __r
        const u8* __restrict__ W2, const float* __restrict__ bias2, const float* res2, float* y2, int od2) {
     matvec_prefetch_l2<QA, QB, R>(K, split, qb_mask, W0, od0, W1, od1, W2, od2);
     GRID_DEPENDENCY();
-    __shared__ float s_part[MV_WARPS][R];
+    __shared__ float s_part[MV_WARPS][R][NB];
     const MvBlock b = mv_block(MV_WARPS * R / split, od0, od1);
     const int seg = b.seg, blk = b.blk;
     const u8* W = W0; const float* bias = bias0; const float* res = res0; float* y = y0; int od = od0;
@@ -280,15 +338,16 @@ matvec(const i8* __restrict__ xq, const float* __restrict__ xd, const float* __r
     const int row0 = (blk * (MV_WARPS / split) + warp / split) * R;
     if (row0 >= od) return;                    // split > 1: the whole block
     if ((qb_mask >> seg) & 1)
-        rows_out<QB, R>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
+        rows_out<QB, R, NB>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
     else
-        rows_out<QA, R>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
+        rows_out<QA, R, NB>(W, bias, res, y, od, row0, K, xq, xd, xs, split, warp, lane, s_part);
 }
 
 #ifdef MINFER_SASS_INSTANTIATE
-#define MINFER_MV(QA, QB) MINFER_MVR(QA, QB, 2) MINFER_MVR(QA, QB, 4)
-#define MINFER_MVR(QA, QB, R)                                                                   \
-    template __global__ void matvec<QA, QB, R>(const i8*, const float*, const float*, int, int, int, \
+#define MINFER_MV(QA, QB) MINFER_MVR(QA, QB, 2, 1) MINFER_MVR(QA, QB, 4, 1) MINFER_MVR(QA, QB, 2, 2) \
+    MINFER_MVR(QA, QB, 2, 4) MINFER_MVR(QA, QB, 2, 8)
+#define MINFER_MVR(QA, QB, R, NB)                                                               \
+    template __global__ void matvec<QA, QB, R, NB>(const i8*, const float*, const float*, int, int, int, \
         const u8*, const float*, const float*, float*, int,                                     \
         const u8*, const float*, const float*, float*, int,                                     \
         const u8*, const float*, const float*, float*, int);

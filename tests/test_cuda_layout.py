@@ -85,16 +85,24 @@ def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
 
 
 def test_gemm_path_of_a_decode_step_of_several_sequences():
-    """B > 1 decode rows read each weight once on the int8 MMQ (decode_mmq), where a
-    prompt of B rows takes the f16 engine; types the MMQ lacks stay on the f16 engine;
-    one row is still the matvec."""
-    s = CudaSettings(decode_mmq=True)
+    """B decode rows, up to decode_matvec_rows, take the matvec of B rows (every
+    type it has, which is every type); a longer step, the f16 engine, or the int8
+    MMQ with decode_mmq (types the MMQ lacks stay on the f16 engine); a prompt of B
+    rows takes the f16 engine."""
+    s = CudaSettings()
     q4, q5 = _w("blk.0.ffn_up.weight", QT.Q4_K), _w("blk.0.ffn_up.weight", QT.Q5_K)
-    assert gemm_path(32, q4, CudaSettings(), False, decode_rows=True).counter == "q4k_f16"   # the default
-    assert gemm_path(32, q4, s, False, decode_rows=True).counter == "q4k_mmq"
-    assert gemm_path(32, q4, s, False).counter == "q4k_f16"
-    assert gemm_path(32, q4, s.replace(decode_mmq=False), False, decode_rows=True).counter == "q4k_f16"
-    assert gemm_path(32, q5, s, False, decode_rows=True).counter == "q5k_f16"
+    n = s.decode_matvec_rows
+    assert n >= 8
+    for w, label in ((q4, "q4k_mv"), (q5, "q5k_mv")):
+        assert gemm_path(8, w, s, False, decode_rows=True).counter == label
+        assert gemm_path(n, w, s, False, decode_rows=True).counter == label
+    assert gemm_path(8, q4, s, False).counter == "q4k_f16"                     # a prompt
+    assert gemm_path(n + 1, q4, s, False, decode_rows=True).counter == "q4k_f16"
+    mmq = s.replace(decode_mmq=True)
+    assert gemm_path(n + 1, q4, mmq, False, decode_rows=True).counter == "q4k_mmq"
+    assert gemm_path(n + 1, q5, mmq, False, decode_rows=True).counter == "q5k_f16"
+    off = s.replace(decode_matvec_rows=0, decode_mmq=True)
+    assert gemm_path(8, q4, off, False, decode_rows=True).counter == "q4k_mmq"
     assert gemm_path(1, q4, s, False, decode_rows=True).engine == "matvec"
 
 

@@ -69,8 +69,10 @@ class Batch:
 
     @property
     def decode(self) -> bool:
-        """A decode step: one new row per sequence, more than one sequence."""
-        return self.n_seq > 1 and self.n_rows == self.n_seq
+        """A decode step: one new row per sequence (one sequence or many: a row's
+        kernels are the same either way, so a sequence's step does not change when
+        its neighbours finish)."""
+        return self.n_rows == self.n_seq
 
     def table_matrix(self) -> np.ndarray:
         """(n_seq, max blocks) int32: each sequence's table, padded with its own last

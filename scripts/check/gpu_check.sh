@@ -257,9 +257,11 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
                 [ $rc = 0 ] && [ -n "$v" ] && record "7b-ppl-b$b" ok "$v" || record "7b-ppl-b$b" FAIL "rc=$rc"
             done
             rm -f "$LOG/ppl.txt"
-            # a decode step of B sequences: the int8 MMQ against the f16 engine (settings.decode_mmq)
+            # a decode step of B sequences: the matvec of B rows against the f16 engine
+            # (settings.decode_matvec_rows: 0 sends every step to the f16 engine)
             for B in 8 32; do
-                ab_step "ab-decode-mmq-b$B" -p 512 --batch $B --steps 32 -r ${AB_REPS:-5} --a decode_mmq=1 --b decode_mmq=0
+                ab_step "ab-decode-matvec-b$B" -p 512 --batch $B --steps 32 -r ${AB_REPS:-5} \
+                    --a decode_matvec_rows=64 --b decode_matvec_rows=0
             done
         fi
         if [ "${GEMM_PATHS:-1}" = 1 ]; then      # the GEMM engine by prompt length (GEMM_PATHS=0 skips it)

@@ -2,6 +2,7 @@
 
     rmsnorm_q8_1        == quantize_q8_1(rmsnorm(x))
     matvecs (3 weights) == three matvec launches; with a residual == add(res, matvec)
+    matvecs of B rows   == each row alone (B = 1), for every B up to past MAX_NB
     swiglu_q8_1         == quantize_q8_1(swiglu(gate, up))
     rope_store_kv_f16   == rope(q), rope(k), store_kv_f16(k, v); with the q/k/v biases
                            and q to f16 == the bias adds, then those, then cast_f16(q);
@@ -131,6 +132,45 @@ def test_matvecs_rows_per_warp_give_the_same_bits(cp, qtypes, ods):
     assert all(np.isfinite(y).all() for y in got[2])
     with pytest.raises(ValueError, match="rows per warp"):
         matvecs(*q8, [(t, w, od, None, None, None) for t, w, od in segs], rpw=3)
+
+
+@pytest.mark.parametrize("qtypes", [(QT.Q4_K,) * 3, (QT.Q4_K, QT.Q4_K, QT.Q6_K), (QT.Q6_K,), (QT.Q5_0,),
+                                    (QT.Q4_1, QT.Q4_1), (QT.Q8_0,), (QT.Q5_K,)],
+                         ids=lambda ts: "+".join(t.name for t in ts))
+@pytest.mark.parametrize("ods", [(300, 37, 64), (9000, 8193, 8200)], ids=["split", "whole-K"])
+def test_matvecs_of_b_rows_give_each_row_its_one_row_bits(cp, qtypes, ods):
+    """A decode step of B sequences runs its linears as matvecs of B rows: each
+    row's output (bias and residual included) is bit for bit what it is alone,
+    for every B (launches of 8, 4, 2 and 1 rows), so a sequence's greedy stream
+    does not depend on its neighbours."""
+    from minfer.backend.cuda.kernels import quantize
+    from minfer.backend.cuda.kernels.matvec import MAX_NB, matvecs, row_launches
+    rng = np.random.default_rng([len(qtypes), ods[0], int(qtypes[-1])])
+    K = 768
+    ods = ods[:len(qtypes)]
+    segs = [(t, cp.asarray(_raw(t, od, K, i)), od) for i, (t, od) in enumerate(zip(qtypes, ods))]
+    bias = cp.asarray(rng.standard_normal(ods[-1]).astype(np.float32))
+    B = 2 * MAX_NB + 3                                   # launches of 8, 8, 2 and 1 rows
+    assert [nb for _, nb in row_launches(B)] == [8, 8, 2, 1]
+    x = cp.asarray(_x(rng, B, K))
+    res = cp.asarray(rng.standard_normal((B, ods[0])).astype(np.float32))
+    q8 = quantize.quantize_q8_1(x)
+
+    def run(rows):
+        n = rows.stop - rows.start
+        return [cp.asnumpy(y) for y in matvecs(
+            *(a[rows] for a in q8),
+            [(t, w, od, bias if i == len(segs) - 1 else None,
+              res[rows].copy() if i == 0 else None, cp.full((n, od), cp.nan, cp.float32))
+             for i, (t, w, od) in enumerate(segs)])]
+
+    alone = [run(slice(b, b + 1)) for b in range(B)]
+    for lo, hi in ((0, B), (0, 4), (3, 5), (5, 12)):
+        got = run(slice(lo, hi))
+        for i in range(len(segs)):
+            assert np.isfinite(got[i]).all()
+            for b in range(lo, hi):
+                assert _same(got[i][b - lo], alone[b][i][0]), (lo, hi, i, b)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

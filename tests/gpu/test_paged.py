@@ -232,31 +232,41 @@ def test_a_chat_turn_on_the_gpu_prefills_only_what_is_new(engine):
     assert b.ids[0] == c.ids[0]
 
 
-@pytest.mark.parametrize("decode_mmq", [True, False])
-def test_a_decode_step_of_several_sequences_on_the_gpu(engine, parity_rel, decode_mmq):
+DECODE_ENGINES = {"matvec": {}, "f16": {"decode_matvec_rows": 0},
+                  "mmq": {"decode_matvec_rows": 0, "decode_mmq": True}}
+
+
+@pytest.mark.parametrize("kind", list(DECODE_ENGINES))
+def test_a_decode_step_of_several_sequences_on_the_gpu(engine, parity_rel, kind):
     """One forward of B one-row sequences: each row's logits within the parity bound
-    of its sequence run alone; the step takes the batched decode attention and, with
-    decode_mmq, the int8 MMQ for every weight (counted)."""
+    of its sequence run alone; the step takes the batched decode attention and the
+    engine its settings give every weight (counted): by default the matvec of B
+    rows, whose rows are bit for bit each sequence's step alone."""
     from minfer.kv.batch import Batch, Span
     from minfer.kv.paged import PagedCache
     e, be = engine, engine.backend
     rng = np.random.default_rng(12)
-    prompts = [rng.integers(0, e.cfg.vocab_size, n).astype(np.int32) for n in (5, 64, 200, 300)]
+    prompts = [rng.integers(0, e.cfg.vocab_size, n).astype(np.int32) for n in (5, 64, 200, 300, 9, 70)]
     kv = PagedCache(e.backend, 24)
     spans, nxt = [], []
     for p in prompts:
         table = tuple(kv.pool.allocate(PagedCache.blocks_for(len(p) + 1)))
         nxt.append(int(np.argmax(e.model.forward_batch(p, Batch([Span(0, len(p), table)]), kv.storage)[0])))
         spans.append(Span(len(p), 1, table))
-    with be.using(decode_mmq=decode_mmq):
+    with be.using(**DECODE_ENGINES[kind]):
         be.reset_counters()
         got = e.model.forward_batch(np.array(nxt, np.int32), Batch(spans), kv.storage)
         c = be.counters()
+        alone = [e.model.forward_batch(np.array([t], np.int32), Batch([sp]), kv.storage)[0]
+                 for t, sp in zip(nxt, spans)]
     assert c.get("attn_decode_f16", 0) + c.get("attn_decode_short", 0) == e.cfg.n_layer
-    assert (c.get("q4k_mmq", 0) > 0) == decode_mmq
+    label = {"matvec": "q4k_mv", "f16": "q4k_f16", "mmq": "q4k_mmq"}
+    assert all((c.get(v, 0) > 0) == (k == kind) for k, v in label.items()), c
     for i, p in enumerate(prompts):
         want = e.logits(np.append(p, nxt[i]))[-1]
         assert np.linalg.norm(got[i] - want) / np.linalg.norm(want) < parity_rel, i
+        if kind == "matvec":
+            assert np.array_equal(got[i].view(np.uint32), alone[i].view(np.uint32)), i
 
 
 def test_a_list_of_prompts_on_the_gpu(engine):

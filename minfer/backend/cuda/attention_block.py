@@ -1,7 +1,8 @@
 """The attention sub-block on the GPU: x + o(attention(RoPE(q), RoPE(k), v)), q, k, v
 the projections of rmsnorm(x) * norm_w, in the fewest launches each case allows.
 
-    one decode row (f16 cache)  norm -> q8_1 and the q/k/v matvecs; one attention
+    decode rows (f16 cache; one, or a step's one a sequence)
+                                norm -> q8_1 and the q/k/v matvecs; one attention
                                 kernel rotates, stores the new K/V row and attends,
                                 its combine writing the q8_1 operand of o, whose
                                 matvec adds x in its store
@@ -47,13 +48,14 @@ class AttentionBlock:
         qkv = (L.attn_q, L.attn_k, L.attn_v)
         biases = (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias)
         wo, f16_cache = L.attn_output, cache.k.dtype == cp.float16
-        if f16_cache and T == 1 and not isinstance(pos0, Batch) and lin.all_matvec(x, qkv) and lin.path(1, wo).engine == "matvec" \
+        step = pos0.decode if isinstance(pos0, Batch) else T == 1       # decode rows, one a sequence
+        if f16_cache and step and lin.all_matvec(x, qkv) and lin.path(T, wo).engine == "matvec" \
                 and wo.n_in == n_q:
             q, k, v = lin.norm_linears(x, L.attn_norm, cfg.rms_eps, qkv, biases)
-            q8 = self._rope_attention_f16(*self._heads(1, q, k, v), cache, layer, pos0,
-                                          q8=self.state.q8(0, 1, n_q))
+            q8 = self._rope_attention_f16(*self._heads(T, q, k, v), cache, layer, pos0,
+                                          q8=self.state.q8(0, T, n_q))
             return lin.linear_q8(q8, wo, residual=x)
-        # (a decode step of several sequences takes the third way: its linears add the
+        # (a decode step on other engines takes the third way: its linears add the
         # biases, and the decode attention rotates, stores and attends each row)
         if T > 1 and f16_cache and lin.all_f16(x, qkv) and not (isinstance(pos0, Batch) and pos0.decode):
             q, k, v = lin.norm_linears(x, L.attn_norm, cfg.rms_eps, qkv, (None, None, None), views=True)
@@ -83,7 +85,8 @@ class AttentionBlock:
         """One decode row rotates, stores and attends in one kernel (and its combine
         writes the q8_1 form of the output into q8 when given); a prompt (or a Batch)
         runs the biases, RoPE, the KV store and q's rounding to f16 in one launch,
-        then the flash attention. A decode row takes no biases (its matvecs add them)."""
+        then the flash attention. A decode row takes no biases (its matvecs add them);
+        neither do a decode step's rows, which attend each alone (q8: of B rows)."""
         self._check_heads(q, k)
         self._rope_check(q, pos0)
         kc, vc, cos_sin = cache.k[layer], cache.v[layer], self.state.cos_sin

@@ -1,8 +1,8 @@
 """The feed-forward sub-block on the GPU: x + down(silu(gate h) * up h), h =
 rmsnorm(x) * norm_w, in the fewest launches each length allows.
 
-    one decode row   norm -> q8_1; gate and up (one launch where they share a type);
-                     SwiGLU -> q8_1; down with the residual in its store
+    decode rows      norm -> q8_1; gate and up (one launch where they share a type);
+    (one, or a step's) SwiGLU -> q8_1; down with the residual in its store
     a prompt         the f16 FFN: the (T, d_ff) intermediates in f16, gate/up and
                      SwiGLU in one kernel where paths.gateup_kernel says so (the f16
                      kernel also prefetches the next layer's gate/up), else the chain
@@ -39,11 +39,11 @@ class FFN:
         """x (T, d) -> x + FFN(x) for layer L's weights; x is consumed."""
         gate, up, down = L.ffn_gate, L.ffn_up, L.ffn_down
         T, d_ff, lin = x.shape[0], gate.n_out, self.lin
-        if (lin.all_matvec(x, (gate, up)) and lin.path(1, down).engine == "matvec"
+        if (lin.all_matvec(x, (gate, up)) and lin.path(T, down).engine == "matvec"
                 and up.n_out == d_ff == down.n_in and d_ff % 32 == 0):
-            q8 = rmsnorm_q8_1(x, L.ffn_norm, self.eps, *self.state.q8(0, 1, x.shape[1]))
+            q8 = rmsnorm_q8_1(x, L.ffn_norm, self.eps, *self.state.q8(0, T, x.shape[1]))
             g, u = lin.matvecs(q8, (gate, up), (None, None))
-            h8 = swiglu_q8_1(g, u, *self.state.q8(1, 1, d_ff))
+            h8 = swiglu_q8_1(g, u, *self.state.q8(1, T, d_ff))
             return lin.matvecs(h8, (down,), (None,), (x,))[0]
         if self.fused(T, L):                     # x consumed: down accumulates into it
             h = rmsnorm(x, L.ffn_norm, self.eps, out=self.state.x16(x.shape), dtype=cp.float16)

@@ -67,9 +67,10 @@ class Linears:
         return y if residual is None else add(residual, y, out=y)
 
     def linear_q8(self, q8, w: GpuWeight, bias=None, residual=None):
-        """A decode row given as q8_1 (a kernel wrote it: the attention's combine)
-        @ W^T [+ bias] [+ residual (consumed)] -> f32 (1, n_out) by the matvec."""
-        if self.path(1, w).engine != "matvec" or q8[0].shape != (1, w.n_in):
+        """Decode rows given as q8_1 (a kernel wrote them: the attention's combine)
+        @ W^T [+ bias] [+ residual (consumed)] -> f32 (T, n_out) by the matvec."""
+        T = q8[0].shape[0]
+        if self.path(T, w).engine != "matvec" or q8[0].shape != (T, w.n_in):
             raise ValueError(f"linear_q8 {w.name}: needs a matvec weight of {q8[0].shape[1]} inputs")
         return self.matvecs(q8, (w,), (bias,), (residual,))[0]
 
@@ -86,7 +87,7 @@ class Linears:
     def linears(self, x, ws, biases) -> list:
         """-> [f32 (T, n_out) each]. On the f16 engine x is rounded to f16 once for all
         of them; one decode row is quantized to q8_1 once and the weights share
-        launches (matvecs)."""
+        launches (matvecs); so are a decode step's rows."""
         T = x.shape[0]
         engines = {self.path(T, w).engine for w in ws}
         if all(w.n_in == x.shape[1] for w in ws):
@@ -94,17 +95,18 @@ class Linears:
                 xh = cast_f16(x, self.state.x16(x.shape))                           # (T, n_in)
                 return [self.f16_gemm(xh, w, bias=b) for w, b in zip(ws, biases)]
             if engines == {"matvec"}:
-                q8 = quantize_q8_1(x, *self.state.q8(0, 1, x.shape[1]))   # once for all
+                q8 = quantize_q8_1(x, *self.state.q8(0, T, x.shape[1]))   # once for all
                 return self.matvecs(q8, ws, biases)
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
 
     def norm_linears(self, x, norm_w, eps: float, ws, biases, views: bool = False) -> list:
         """rmsnorm(x) * norm_w, then linears: one decode row goes from the norm straight
-        to q8_1 (rmsnorm_q8_1), the same values as the two steps. views: on the f16
+        to q8_1 (rmsnorm_q8_1), the same values as the two steps (so do a decode
+        step's rows). views: on the f16
         engine the results may be column blocks of one GEMM's output (f16_group), for
         a caller that reads rows of any stride."""
         if self.all_matvec(x, ws):
-            q8 = rmsnorm_q8_1(x, norm_w, eps, *self.state.q8(0, 1, x.shape[1]))
+            q8 = rmsnorm_q8_1(x, norm_w, eps, *self.state.q8(0, x.shape[0], x.shape[1]))
             return self.matvecs(q8, ws, biases)
         if self.all_f16(x, ws):                  # the norm writes the f16 operand itself
             xh = rmsnorm(x, norm_w, eps, out=self.state.x16(x.shape), dtype=cp.float16)
@@ -114,9 +116,8 @@ class Linears:
         return self.linears(rmsnorm(x, norm_w, eps), ws, biases)
 
     def all_matvec(self, x, ws) -> bool:
-        """Is x one row, and do all of ws take the matvec for it?"""
-        return x.shape[0] == 1 and all(w.n_in == x.shape[1] and self.path(1, w).engine == "matvec"
-                                       for w in ws)
+        """Do all of ws take the matvec for x's rows (one row, or a decode step's)?"""
+        return all(w.n_in == x.shape[1] and self.path(x.shape[0], w).engine == "matvec" for w in ws)
 
     def all_f16(self, x, ws) -> bool:
         """Do all of ws take the f16 engine for x's rows?"""
@@ -148,7 +149,7 @@ class Linears:
         return [y[:, a:b] for a, b in zip(cols, cols[1:])]
 
     def matvecs(self, q8, ws, biases, residuals=None, outs=None) -> list:
-        """q8_1 x (1, K) @ each weight -> [y (1, n_out)]: weights of one K split whose
+        """q8_1 x (T, K) @ each weight -> [y (T, n_out)]: weights of one K split whose
         types can share a launch go in one (up to matvec.MAX_SEGMENTS)."""
         n = len(ws)
         residuals, outs = residuals or (None,) * n, outs or (None,) * n
@@ -164,7 +165,7 @@ class Linears:
         ys: list = [None] * n
         for g in launches:
             for i in g:
-                self.ran(1, ws[i])
+                self.ran(q8[0].shape[0], ws[i])
             out = matvec.matvecs(*q8, [(ws[i].qtype, ws[i].data, ws[i].n_out, biases[i], residuals[i], outs[i])
                                        for i in g])
             for i, y in zip(g, out):

@@ -46,6 +46,8 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MV_RPW": 4,
     "MV_WARPS": 4,
     "MV_MIN_BLOCKS": 6,
+    # ... and for several rows of x (a decode step of B sequences: R*NB accumulators)
+    "MV_MIN_BLOCKS_NB": 3,
     # bytes of its weight rows a decode matvec block pulls into L2 before it waits for
     # its predecessor (a dependent launch: the copy overlaps the predecessor's tail)
     "MV_PREFETCH": 2048,

@@ -6,8 +6,9 @@ Each rule says why in one line and names the script that re-measures it
 (docs/DESIGN.md section 5 has the table with the figures behind it).
 
     f32 weight                 -> cupy matmul in f32                     counter f32_gemm
-    T == 1 (decode)            -> x to q8_1, then the matvec             q4k_mv / q6k_mv ...
-    a decode step of B > 1 sequences, with settings.decode_mmq (off: measured slower)
+    T == 1 (decode), or a decode step of B <= settings.decode_matvec_rows sequences
+                               -> x to q8_1, then the matvec of B rows   q4k_mv / q6k_mv ...
+    a longer decode step, with settings.decode_mmq (off: measured slower)
                                -> int8 MMQ on q8_1 activations           q4k_mmq / q6k_mmq
     q4_K / q6_K, and T < f16_min_t or a table (the LM head over many positions)
                                -> int8 MMQ on q8_1 activations           q4k_mmq / q6k_mmq
@@ -72,18 +73,19 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
         raise MinferError(f"linear {w.name}: {w.qtype.name} weights are not supported by "
                           f"the CUDA backend ({', '.join(t.name for t in PREFIX)}, F32)")
     prefix = PREFIX[w.qtype]
-    # one row: the matvec streams the weight once at the copy bandwidth, no GEMM wins
-    if T == 1:
+    # one row: the matvec streams the weight once at the copy bandwidth, no GEMM wins;
+    # a decode step's B rows: the same kernel reads each weight once per 8 rows, and
+    # gives each row the bits it has alone (the step's output does not depend on B)
+    if T == 1 or (decode_rows and T <= settings.decode_matvec_rows):
         return GemmPath("matvec", f"{prefix}_mv", None)
     # short prompts and the LM head over many positions (a table): the int8 MMQ reads
     # the blocks as stored, where a dequantization would cost more than the GEMM saves
     # (settings.F16_GEMM_MIN_T; scripts/bench/gemm_paths.py re-measures it)
-    # a decode step of several sequences: a few rows, each weight read once for all of
-    # them, where the f16 engine dequantizes every weight for those few rows. Off by
-    # default: on the 7B the MMQ at 8 rows measured 1.44x slower a step (interleaved,
-    # separated; 1.17x at 32, not separated), so neither engine is the answer (a matvec
-    # of B vectors is: docs/PERF.md section 6). scripts/bench/ab.py --batch B --a
-    # decode_mmq=1 --b decode_mmq=0 re-measures it.
+    # a decode step of more sequences than the matvec takes: the MMQ reads each weight
+    # once for all rows, where the f16 engine dequantizes every weight for those rows.
+    # Off by default: on the 7B the MMQ at 8 rows measured 1.44x slower a step than
+    # the f16 engine (interleaved, separated; 1.17x at 32, not separated).
+    # scripts/bench/ab.py --batch B --a decode_mmq=1 --b decode_mmq=0 re-measures it.
     mmq = w.qtype in MMQ_TYPES and (T < settings.f16_min_t or w.table
                                     or (decode_rows and settings.decode_mmq and not has_f16))
     engine = "mmq" if mmq else "f16"

@@ -31,6 +31,16 @@ from ...errors import MinferError
 # on (scripts/bench/gemm_paths.py re-measures it).
 F16_GEMM_MIN_T = 2
 
+# A decode step of up to this many sequences runs its linears as matvecs of B rows
+# (kernels/matvec.cu: each weight read once per launch of up to 8 rows, each row's
+# sums in its one-row order); beyond it, as a prompt of B rows (paths.gemm_path).
+# On the H200 (7B twin, 32 steps after 512 tokens, interleaved A/B, 2026-12-02): at
+# 8 rows the f16 engine ran at 0.76x the matvec's rate; at 32 rows (four launches
+# of 8) at 2.31x (2,386 against 1,033 t/s): the dp4a products of 8 rows a launch
+# are bound by the integer units, not the weights' bytes. scripts/bench/ab.py
+# --batch B --a decode_matvec_rows=64 --b decode_matvec_rows=0 re-measures it.
+DECODE_MATVEC_ROWS = 8
+
 # fields read at load (registering weights); the rest may change between calls
 LOAD_TIME = ("exp_planes", "f16_weights", "force_exp_miss")
 
@@ -48,7 +58,8 @@ class CudaSettings:
     ffn_f16: bool = True           # the FFN's (T, d_ff) intermediates in f16, not f32
     gateup_fused: bool = True      # the gate/up + SwiGLU kernels where paths.GATEUP_KERNELS says
     flash_wgmma: bool = True       # the wgmma flash attention where the GPU has it (else mma.sync)
-    decode_mmq: bool = False       # a decode step of several sequences on the int8 MMQ (else the f16 engine)
+    decode_matvec_rows: int = DECODE_MATVEC_ROWS  # a decode step of up to this many sequences: the matvec
+    decode_mmq: bool = False       # a longer decode step on the int8 MMQ (else the f16 engine)
     dependent_launches: bool = True  # programmatic dependent launches in captured graphs (dependent.py)
     force_exp_miss: bool = False   # every W_exp registration fails (the `q6k fallback!` path)
 

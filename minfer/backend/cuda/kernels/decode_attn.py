@@ -95,7 +95,7 @@ def decode_attention(q, k_cache, v_cache, pos, out=None, new_kv=None, cos_sin=No
     check(v_cache, "decode_attention v_cache", cp.float16, k_cache.shape, align16=True)
     n_kv = k_cache.shape[1]
     tab_stride = 0
-    if B > 1:
+    if B > 1 or isinstance(pos, DevicePos) and getattr(tab, "ndim", 1) == 2:      # a decode Batch's rows
         if not isinstance(pos, DevicePos) or pos.buf.size != B or tab is None:
             raise ValueError("decode_attention: B rows take their positions from device memory "
                              "(a DevicePos of B) and a block table each")
