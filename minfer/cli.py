@@ -1,4 +1,4 @@
-"""The `minfer` command: generate, tokenize, pull, perplexity (+ bench, twin from their modules),
+"""The `minfer` command: generate, tokenize, pull, perplexity (+ bench, twin, serve from their modules),
 built on the Python front door (minfer.engine.Engine).
 
 Bad input of any kind is one line `minfer: error: ...` on stderr and exit code 2
@@ -33,7 +33,7 @@ EXIT_SIGPIPE = 128 + 13        # the shell's status for a process killed by SIGP
 
 # subcommands that live in their own modules, each with add_arguments(parser) and
 # main(args) -> int | None; imported only when invoked
-EXTENSIONS = {"bench": "minfer.tools.bench", "twin": "minfer.tools.twin"}
+EXTENSIONS = {"bench": "minfer.tools.bench", "twin": "minfer.tools.twin", "serve": "minfer.serve.server"}
 
 
 class _Parser(argparse.ArgumentParser):
