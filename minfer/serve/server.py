@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import signal
 import socket
 import sys
 
@@ -171,6 +172,9 @@ def main(args) -> int:
     print(f"minfer: serving {model_id} on http://{host}:{port} (backend {engine.backend.name}, "
           f"--parallel {args.parallel}, context {engine.n_ctx}, KV cache {kv.n_tokens} positions)",
           file=sys.stderr, flush=True)
+    # uvicorn handles SIGTERM (graceful shutdown) and then raises it again for the
+    # handler that was there before: a no-op one, so a graceful stop exits 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
     server.run(sockets=[sock])
     if not server.started:
         raise MinferError("the server did not start (see the lines above)")

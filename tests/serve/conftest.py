@@ -117,6 +117,12 @@ def server(serve):
 
 
 @pytest.fixture(scope="session")
+def n_ctx() -> int:
+    """The context every test server runs with (-c)."""
+    return N_CTX
+
+
+@pytest.fixture(scope="session")
 def truth(smollm2_path):
     """An in-process CPU engine on the same model and context: what the server's
     answers are checked against (the engine is checked against llama.cpp elsewhere)."""
