@@ -174,3 +174,38 @@ def test_sixteen_clients_at_once_each_get_their_own_text(server, truth):
     with cf.ThreadPoolExecutor(16) as pool:
         got = dict(zip(prompts, pool.map(one, prompts, timeout=300)))
     assert got == want
+
+
+def test_metrics_are_prometheus_text(server):
+    """Every sample line `name{labels} value` under its HELP and TYPE; histograms with
+    cumulative buckets ending in +Inf equal to _count; the series the issue names."""
+    import re
+
+    import httpx
+    server.client().completions.create(model=server.model, prompt="Hi", max_tokens=3, temperature=0)
+    r = httpx.get(server.url + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    types, samples = {}, []
+    sample = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? (-?[0-9.e+]+|\+Inf)$')
+    for line in r.text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+        elif not line.startswith("# HELP "):
+            m = sample.match(line)
+            assert m, line
+            samples.append((m.group(1), m.group(2) or "", float(m.group(4))))
+    for name, _, _ in samples:
+        base = re.sub(r"_(bucket|sum|count)$", "", name) if name not in types else name
+        assert base in types, name
+    for h in ("minfer_time_to_first_token_seconds", "minfer_inter_token_latency_seconds"):
+        assert types[h] == "histogram"
+        buckets = [v for n, lab, v in samples if n == h + "_bucket"]
+        assert buckets == sorted(buckets) and len(buckets) > 3
+        assert buckets[-1] == next(v for n, _, v in samples if n == h + "_count") > 0
+    for g in ("queue_depth", "running_sequences", "kv_blocks_used", "kv_blocks_total"):
+        assert types["minfer_" + g] == "gauge"
+    for c in ("requests_total", "prompt_tokens_total", "prompt_tokens_cached_total", "generation_tokens_total"):
+        assert types["minfer_" + c] == "counter"
+    m = server.metrics()
+    assert m["minfer_generation_tokens_total"] >= 3 and m['minfer_requests_total{outcome="ok"}'] >= 1
