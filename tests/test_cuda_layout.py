@@ -85,25 +85,32 @@ def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
 
 
 def test_gemm_path_of_a_decode_step_of_several_sequences():
-    """B decode rows, up to decode_matvec_rows, take the matvec of B rows (every
-    type it has, which is every type); a longer step, the f16 engine, or the int8
-    MMQ with decode_mmq (types the MMQ lacks stay on the f16 engine); a prompt of B
-    rows takes the f16 engine."""
+    """A decode step of 2 to decode_mma_rows sequences takes mmq_rows for q4_K / q6_K;
+    one sequence, and other types up to decode_matvec_rows, the matvec of B rows; a
+    longer step the f16 engine, or the int8 MMQ with decode_mmq (types the MMQ lacks
+    stay on the f16 engine); a prompt of B rows the f16 engine."""
     s = CudaSettings()
-    q4, q5 = _w("blk.0.ffn_up.weight", QT.Q4_K), _w("blk.0.ffn_up.weight", QT.Q5_K)
-    n = s.decode_matvec_rows
-    assert n >= 8
-    for w, label in ((q4, "q4k_mv"), (q5, "q5k_mv")):
-        assert gemm_path(8, w, s, False, decode_rows=True).counter == label
-        assert gemm_path(n, w, s, False, decode_rows=True).counter == label
+    q4, q6 = _w("blk.0.ffn_up.weight", QT.Q4_K), _w("blk.0.ffn_down.weight", QT.Q6_K)
+    q5 = _w("blk.0.ffn_up.weight", QT.Q5_K)
+    n, m = s.decode_matvec_rows, s.decode_mma_rows
+    assert n >= 8 and m >= 8
+    for T in (2, 8, m):
+        assert gemm_path(T, q4, s, False, decode_rows=True).counter == "q4k_mvt"
+        assert gemm_path(T, q6, s, True, decode_rows=True).labels == ("q6k_mvt",)
+    assert gemm_path(1, q4, s, False).counter == "q4k_mv"
+    assert gemm_path(1, q4, s, False, decode_rows=True).counter == "q4k_mv"
+    assert gemm_path(8, q5, s, False, decode_rows=True).counter == "q5k_mv"
+    assert gemm_path(n + 1, q5, s, False, decode_rows=True).counter == "q5k_f16"
     assert gemm_path(8, q4, s, False).counter == "q4k_f16"                     # a prompt
-    assert gemm_path(n + 1, q4, s, False, decode_rows=True).counter == "q4k_f16"
-    mmq = s.replace(decode_mmq=True)
+    assert gemm_path(m + 1, q4, s, False, decode_rows=True).counter == "q4k_f16"
+    mv = s.replace(decode_mma_rows=0)
+    assert gemm_path(8, q4, mv, False, decode_rows=True).counter == "q4k_mv"
+    assert gemm_path(n + 1, q4, mv, False, decode_rows=True).counter == "q4k_f16"
+    mmq = mv.replace(decode_mmq=True)
     assert gemm_path(n + 1, q4, mmq, False, decode_rows=True).counter == "q4k_mmq"
     assert gemm_path(n + 1, q5, mmq, False, decode_rows=True).counter == "q5k_f16"
-    off = s.replace(decode_matvec_rows=0, decode_mmq=True)
-    assert gemm_path(8, q4, off, False, decode_rows=True).counter == "q4k_mmq"
-    assert gemm_path(1, q4, s, False, decode_rows=True).engine == "matvec"
+    assert gemm_path(8, q4, mmq.replace(decode_matvec_rows=0), False, decode_rows=True).counter == "q4k_mmq"
+    assert all(gemm_path(8, w, s, False, decode_rows=True).q8_rows for w in (q4, q5))
 
 
 @pytest.mark.parametrize("T,qtypes,d_ff,n_in,settings,has_f16,cc,want", [

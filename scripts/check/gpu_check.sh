@@ -257,11 +257,12 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
                 [ $rc = 0 ] && [ -n "$v" ] && record "7b-ppl-b$b" ok "$v" || record "7b-ppl-b$b" FAIL "rc=$rc"
             done
             rm -f "$LOG/ppl.txt"
-            # a decode step of B sequences: the matvec of B rows against the f16 engine
-            # (settings.decode_matvec_rows: 0 sends every step to the f16 engine)
-            for B in 8 32; do
-                ab_step "ab-decode-matvec-b$B" -p 512 --batch $B --steps 32 -r ${AB_REPS:-5} \
-                    --a decode_matvec_rows=64 --b decode_matvec_rows=0
+            # a decode step of B sequences: mmq_rows (tensor cores) against the dp4a matvec
+            # of B rows up to 8 and the f16 engine beyond (settings.decode_mma_rows=0);
+            # at B = 1 against the one-row matvec that a lone generation's step runs
+            for B in 1 8 32; do
+                ab_step "ab-decode-mvt-b$B" -p 512 --batch $B --steps 32 -r ${AB_REPS:-5} \
+                    --a decode_mma_rows=64 --b decode_mma_rows=0
             done
         fi
         if [ "${GEMM_PATHS:-1}" = 1 ]; then      # the GEMM engine by prompt length (GEMM_PATHS=0 skips it)

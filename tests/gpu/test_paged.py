@@ -232,15 +232,17 @@ def test_a_chat_turn_on_the_gpu_prefills_only_what_is_new(engine):
     assert b.ids[0] == c.ids[0]
 
 
-DECODE_ENGINES = {"matvec": {}, "f16": {"decode_matvec_rows": 0},
-                  "mmq": {"decode_matvec_rows": 0, "decode_mmq": True}}
+DECODE_ENGINES = {"mvt": {}, "matvec": {"decode_mma_rows": 0},
+                  "f16": {"decode_mma_rows": 0, "decode_matvec_rows": 0},
+                  "mmq": {"decode_mma_rows": 0, "decode_matvec_rows": 0, "decode_mmq": True}}
 
 
 @pytest.mark.parametrize("kind", list(DECODE_ENGINES))
 def test_a_decode_step_of_several_sequences_on_the_gpu(engine, parity_rel, kind):
     """One forward of B one-row sequences: each row's logits within the parity bound
     of its sequence run alone; the step takes the batched decode attention and the
-    engine its settings give every weight (counted): by default the matvec of B
+    engine its settings give every weight (counted): by default mmq_rows, whose
+    rows are bit for bit the same in a step of 3 sequences; else the matvec of B
     rows, whose rows are bit for bit each sequence's step alone."""
     from minfer.kv.batch import Batch, Span
     from minfer.kv.paged import PagedCache
@@ -257,15 +259,16 @@ def test_a_decode_step_of_several_sequences_on_the_gpu(engine, parity_rel, kind)
         be.reset_counters()
         got = e.model.forward_batch(np.array(nxt, np.int32), Batch(spans), kv.storage)
         c = be.counters()
-        alone = [e.model.forward_batch(np.array([t], np.int32), Batch([sp]), kv.storage)[0]
-                 for t, sp in zip(nxt, spans)]
+        n = 3 if kind == "mvt" else 1           # mmq_rows takes two sequences and more
+        alone = np.concatenate([e.model.forward_batch(np.array(nxt[i:i + n], np.int32), Batch(spans[i:i + n]),
+                                                      kv.storage) for i in range(0, len(spans), n)])
     assert c.get("attn_decode_f16", 0) + c.get("attn_decode_short", 0) == e.cfg.n_layer
-    label = {"matvec": "q4k_mv", "f16": "q4k_f16", "mmq": "q4k_mmq"}
+    label = {"mvt": "q4k_mvt", "matvec": "q4k_mv", "f16": "q4k_f16", "mmq": "q4k_mmq"}
     assert all((c.get(v, 0) > 0) == (k == kind) for k, v in label.items()), c
     for i, p in enumerate(prompts):
         want = e.logits(np.append(p, nxt[i]))[-1]
         assert np.linalg.norm(got[i] - want) / np.linalg.norm(want) < parity_rel, i
-        if kind == "matvec":
+        if kind in ("mvt", "matvec"):
             assert np.array_equal(got[i].view(np.uint32), alone[i].view(np.uint32)), i
 
 

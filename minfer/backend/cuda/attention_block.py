@@ -49,7 +49,7 @@ class AttentionBlock:
         biases = (L.attn_q_bias, L.attn_k_bias, L.attn_v_bias)
         wo, f16_cache = L.attn_output, cache.k.dtype == cp.float16
         step = pos0.decode if isinstance(pos0, Batch) else T == 1       # decode rows, one a sequence
-        if f16_cache and step and lin.all_matvec(x, qkv) and lin.path(T, wo).engine == "matvec" \
+        if f16_cache and step and lin.all_matvec(x, qkv) and lin.path(T, wo).q8_rows \
                 and wo.n_in == n_q:
             q, k, v = lin.norm_linears(x, L.attn_norm, cfg.rms_eps, qkv, biases)
             q8 = self._rope_attention_f16(*self._heads(T, q, k, v), cache, layer, pos0,

@@ -39,7 +39,7 @@ class FFN:
         """x (T, d) -> x + FFN(x) for layer L's weights; x is consumed."""
         gate, up, down = L.ffn_gate, L.ffn_up, L.ffn_down
         T, d_ff, lin = x.shape[0], gate.n_out, self.lin
-        if (lin.all_matvec(x, (gate, up)) and lin.path(T, down).engine == "matvec"
+        if (lin.all_matvec(x, (gate, up)) and lin.path(T, down).q8_rows
                 and up.n_out == d_ff == down.n_in and d_ff % 32 == 0):
             q8 = rmsnorm_q8_1(x, L.ffn_norm, self.eps, *self.state.q8(0, T, x.shape[1]))
             g, u = lin.matvecs(q8, (gate, up), (None, None))

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as QT
 
 from ...errors import MinferError
 from .cublas import gemm_w16
-from .kernels import matvec, mmq
+from .kernels import matvec, mmq, mmq_rows
 from .kernels.dequant_f16 import cast_f16, dequant_f16, dequant_f16_many
 from .kernels.elementwise import add
 from .kernels.norm import rmsnorm, rmsnorm_q8_1
@@ -46,8 +46,9 @@ class Linears:
             raise MinferError(f"linear {w.name}: input shape {tuple(x.shape)} does not match "
                               f"the weight's {w.n_in} inputs")
         T = x.shape[0]
-        engine = self.path(T, w).engine
-        if engine == "matvec":
+        path = self.path(T, w)
+        engine = path.engine
+        if path.q8_rows:
             q8 = quantize_q8_1(x, *self.state.q8(0, T, w.n_in))
             return self.matvecs(q8, (w,), (bias,), (residual,), (out,))[0]
         if engine == "f16":
@@ -70,7 +71,7 @@ class Linears:
         """Decode rows given as q8_1 (a kernel wrote them: the attention's combine)
         @ W^T [+ bias] [+ residual (consumed)] -> f32 (T, n_out) by the matvec."""
         T = q8[0].shape[0]
-        if self.path(T, w).engine != "matvec" or q8[0].shape != (T, w.n_in):
+        if not self.path(T, w).q8_rows or q8[0].shape != (T, w.n_in):
             raise ValueError(f"linear_q8 {w.name}: needs a matvec weight of {q8[0].shape[1]} inputs")
         return self.matvecs(q8, (w,), (bias,), (residual,))[0]
 
@@ -94,7 +95,7 @@ class Linears:
             if engines == {"f16"}:
                 xh = cast_f16(x, self.state.x16(x.shape))                           # (T, n_in)
                 return [self.f16_gemm(xh, w, bias=b) for w, b in zip(ws, biases)]
-            if engines == {"matvec"}:
+            if self.all_matvec(x, ws):
                 q8 = quantize_q8_1(x, *self.state.q8(0, T, x.shape[1]))   # once for all
                 return self.matvecs(q8, ws, biases)
         return [self.linear(x, w, b) for w, b in zip(ws, biases)]
@@ -116,8 +117,9 @@ class Linears:
         return self.linears(rmsnorm(x, norm_w, eps), ws, biases)
 
     def all_matvec(self, x, ws) -> bool:
-        """Do all of ws take the matvec for x's rows (one row, or a decode step's)?"""
-        return all(w.n_in == x.shape[1] and self.path(x.shape[0], w).engine == "matvec" for w in ws)
+        """Do all of ws take q8_1 rows for x's rows (one row, or a decode step's: the
+        matvec or mmq_rows)?"""
+        return all(w.n_in == x.shape[1] and self.path(x.shape[0], w).q8_rows for w in ws)
 
     def all_f16(self, x, ws) -> bool:
         """Do all of ws take the f16 engine for x's rows?"""
@@ -149,12 +151,17 @@ class Linears:
         return [y[:, a:b] for a, b in zip(cols, cols[1:])]
 
     def matvecs(self, q8, ws, biases, residuals=None, outs=None) -> list:
-        """q8_1 x (T, K) @ each weight -> [y (T, n_out)]: weights of one K split whose
-        types can share a launch go in one (up to matvec.MAX_SEGMENTS)."""
-        n = len(ws)
+        """q8_1 x (T, K) @ each weight -> [y (T, n_out)]: on mmq_rows one launch a
+        weight (of 32 rows); on the matvec, weights of one K split whose types can
+        share a launch go in one (up to matvec.MAX_SEGMENTS)."""
+        n, T = len(ws), q8[0].shape[0]
         residuals, outs = residuals or (None,) * n, outs or (None,) * n
+        ys: list = [None] * n
         launches: list[list[int]] = []
         for i, w in enumerate(ws):
+            if self.ran(T, w).engine == "mvt":
+                ys[i] = mmq_rows.mmq_rows(w.qtype, *q8, w.data, w.n_out, biases[i], residuals[i], outs[i])
+                continue
             fits = [g for g in launches if len(g) < matvec.MAX_SEGMENTS
                     and matvec.split_of(ws[g[0]].n_out) == matvec.split_of(w.n_out)
                     and matvec.can_share([ws[j].qtype for j in g] + [w.qtype])]
@@ -162,10 +169,7 @@ class Linears:
                 fits[0].append(i)
             else:
                 launches.append([i])
-        ys: list = [None] * n
         for g in launches:
-            for i in g:
-                self.ran(q8[0].shape[0], ws[i])
             out = matvec.matvecs(*q8, [(ws[i].qtype, ws[i].data, ws[i].n_out, biases[i], residuals[i], outs[i])
                                        for i in g])
             for i, y in zip(g, out):

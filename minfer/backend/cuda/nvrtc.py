@@ -48,6 +48,9 @@ KERNEL_CONSTANTS: dict[str, int] = {
     "MV_MIN_BLOCKS": 6,
     # ... and for several rows of x (a decode step of B sequences: R*NB accumulators)
     "MV_MIN_BLOCKS_NB": 3,
+    # tensor-core products of few rows (mmq_rows.cu): MR_WARPS warps a block split K
+    # over its 8 or 16 weight rows
+    "MR_WARPS": 8,
     # bytes of its weight rows a decode matvec block pulls into L2 before it waits for
     # its predecessor (a dependent launch: the copy overlaps the predecessor's tail)
     "MV_PREFETCH": 2048,

@@ -6,6 +6,9 @@ Each rule says why in one line and names the script that re-measures it
 (docs/DESIGN.md section 5 has the table with the figures behind it).
 
     f32 weight                 -> cupy matmul in f32                     counter f32_gemm
+    a decode step of 2 <= B <= settings.decode_mma_rows sequences, q4_K / q6_K weights
+                               -> x to q8_1, then tensor-core products   q4k_mvt / q6k_mvt
+                                  of few rows (mmq_rows)
     T == 1 (decode), or a decode step of B <= settings.decode_matvec_rows sequences
                                -> x to q8_1, then the matvec of B rows   q4k_mv / q6k_mv ...
     a longer decode step, with settings.decode_mmq (off: measured slower)
@@ -33,6 +36,7 @@ from gguf import GGMLQuantizationType as QT
 from ...errors import MinferError
 from .kernels import gateup_sm90
 from .kernels.mmq import MMQ_TYPES
+from .kernels.mmq_rows import MR_TYPES
 from .settings import CudaSettings
 from .weights import GpuWeight
 
@@ -42,19 +46,24 @@ PREFIX = {QT.Q4_K: "q4k", QT.Q6_K: "q6k", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q
 B_SOURCES = ("q6k exp", "q6k exp=off", "q6k fallback!", "q6k raw", "q6k f16 kept")
 # every path label gemm_path can give, for the counters' table
 PATH_LABELS = (tuple(f"{p}_{e}" for t, p in PREFIX.items()
-                     for e in (("mmq", "f16", "mv") if t in MMQ_TYPES else ("f16", "mv")))
+                     for e in ("mmq",) * (t in MMQ_TYPES) + ("f16", "mv") + ("mvt",) * (t in MR_TYPES))
                + ("f32_gemm",) + B_SOURCES)
 
 
 @dataclass(frozen=True)
 class GemmPath:
-    engine: str                 # "f32", "matvec", "f16" or "mmq"
+    engine: str                 # "f32", "matvec", "mvt" (mmq_rows), "f16" or "mmq"
     counter: str                # the path's label: prefix_engine
     b_source: str | None        # q6_K on f16/mmq: one of B_SOURCES
 
     @property
     def reads_plane(self) -> bool:
         return self.b_source == "q6k exp"
+
+    @property
+    def q8_rows(self) -> bool:
+        """Does the product take x as q8_1 rows and no GEMM (a decode row's engines)?"""
+        return self.engine in ("matvec", "mvt")
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -73,6 +82,11 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
         raise MinferError(f"linear {w.name}: {w.qtype.name} weights are not supported by "
                           f"the CUDA backend ({', '.join(t.name for t in PREFIX)}, F32)")
     prefix = PREFIX[w.qtype]
+    # a decode step of a few sequences: tensor-core products that read each weight
+    # once per 32 rows, a row's sums one sequence whatever B; measured faster than
+    # the dp4a matvec of B rows from a few rows on, slower at one (settings.py)
+    if decode_rows and 2 <= T <= settings.decode_mma_rows and w.qtype in MR_TYPES:
+        return GemmPath("mvt", f"{prefix}_mvt", None)
     # one row: the matvec streams the weight once at the copy bandwidth, no GEMM wins;
     # a decode step's B rows: the same kernel reads each weight once per 8 rows, and
     # gives each row the bits it has alone (the step's output does not depend on B)

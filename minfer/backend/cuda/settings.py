@@ -40,6 +40,16 @@ F16_GEMM_MIN_T = 2
 # are bound by the integer units, not the weights' bytes. scripts/bench/ab.py
 # --batch B --a decode_matvec_rows=64 --b decode_matvec_rows=0 re-measures it.
 DECODE_MATVEC_ROWS = 8
+# A decode step of 2 to this many sequences runs its q4_K and q6_K linears on
+# kernels/mmq_rows.cu (tensor-core products of few rows: each weight read once per
+# 32 rows); 0 turns it off (the rule above then holds for every type). Measured on
+# the H200 (7B twin, 32 steps after 512 tokens, interleaved, medians of 5,
+# 2026-12-02), mmq_rows against what runs without it: 1,095 against 871 t/s at 8
+# sequences (the dp4a matvec of 8 rows); 2,117 against 2,305 at 32 (the f16
+# engine), so it stops at 16, one m-tile of x; and at one sequence 175 against
+# 324 (the one-row matvec), so it starts at 2. scripts/bench/ab.py --batch B
+# --a decode_mma_rows=64 --b decode_mma_rows=0 re-measures it.
+DECODE_MMA_ROWS = 16
 
 # fields read at load (registering weights); the rest may change between calls
 LOAD_TIME = ("exp_planes", "f16_weights", "force_exp_miss")
@@ -58,7 +68,8 @@ class CudaSettings:
     ffn_f16: bool = True           # the FFN's (T, d_ff) intermediates in f16, not f32
     gateup_fused: bool = True      # the gate/up + SwiGLU kernels where paths.GATEUP_KERNELS says
     flash_wgmma: bool = True       # the wgmma flash attention where the GPU has it (else mma.sync)
-    decode_matvec_rows: int = DECODE_MATVEC_ROWS  # a decode step of up to this many sequences: the matvec
+    decode_mma_rows: int = DECODE_MMA_ROWS  # a decode step of up to this many sequences: mmq_rows (q4_K, q6_K)
+    decode_matvec_rows: int = DECODE_MATVEC_ROWS  # ... of up to this many (other types): the matvec
     decode_mmq: bool = False       # a longer decode step on the int8 MMQ (else the f16 engine)
     dependent_launches: bool = True  # programmatic dependent launches in captured graphs (dependent.py)
     force_exp_miss: bool = False   # every W_exp registration fails (the `q6k fallback!` path)
