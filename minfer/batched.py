@@ -31,6 +31,13 @@ sequence never waits for blocks and nothing is preempted. Each step registers th
 blocks it filled in the prefix cache (minfer/kv/sequence.py), so a sequence that
 joins later shares a prompt prefix that a running one has already computed; a step
 that fails (non-finite logits) registers nothing.
+
+The deterministic mode (Backend.deterministic): a step's decode rows and its prompt
+chunks are two forwards, never one (a backend runs each kind of row on its own
+kernels, which a mixed forward would not let it choose: the prompt chunks' Batch
+says prefill), and the blocks that decode rows write are not registered (their K/V
+come from other kernels than a prompt's rows, so a later prompt that shares them
+would not get the bits of its own prefill).
 """
 from __future__ import annotations
 
@@ -150,8 +157,7 @@ class BatchRunner:
                     s._t0 = t0
         if not rows:
             return []
-        e = self.engine
-        logits = e.model.forward_batch(np.concatenate(tokens), Batch(spans), self.kv.storage)  # (n_seq, vocab)
+        logits = self._forward(rows, tokens, spans)                                            # (n_seq, vocab)
         for (s, n), row in zip(rows, logits):             # all checked before anything changes
             end = s.stats.n_written + n
             if end >= len(s.ids):                         # a decode row, or the prompt's last chunk
@@ -160,10 +166,9 @@ class BatchRunner:
         for (s, n), row in zip(rows, logits):
             pos = s.stats.n_written
             if s.prefilling:
-                written = s.ids[pos:pos + n]
+                s.blocks.append(s.ids[pos:pos + n])      # their K/V is in the cache now
             else:
-                written = [s.nxt]
-            s.blocks.append(written)                     # their K/V is in the cache now
+                s.blocks.append([s.nxt], share=not self.engine.backend.deterministic)
             s.stats.n_written = pos + n
             if s.prefilling:
                 continue                                  # a chunk that leaves more of the prompt
@@ -181,6 +186,21 @@ class BatchRunner:
                 self._finish(s)
         return [s for s, _ in rows]
 
+    def _forward(self, rows, tokens, spans) -> np.ndarray:
+        """The step's forward(s) -> logits (n_seq, vocab) in the order of rows: one over
+        every row, or in the deterministic mode one over the decode rows and one over
+        the prompt chunks (rows holds the decode rows first)."""
+        e = self.engine
+        if not e.backend.deterministic:
+            return e.model.forward_batch(np.concatenate(tokens), Batch(spans), self.kv.storage)
+        n_dec = sum(1 for s, _ in rows if not s.prefilling)
+        parts = []
+        for lo, hi, prefill in ((0, n_dec, False), (n_dec, len(rows), True)):
+            if hi > lo:
+                parts.append(e.model.forward_batch(np.concatenate(tokens[lo:hi]),
+                                                   Batch(spans[lo:hi], prefill=prefill), self.kv.storage))
+        return np.concatenate(parts)
+
     def _finish(self, s: Seq) -> None:
         s.pieces.append(s.text.finish())                  # as the one-prompt path streams it
         if s.text.stopped:                                # (finish may complete a stop string)
@@ -194,20 +214,28 @@ class BatchRunner:
 
 def generate_many(engine, prompts: list[np.ndarray], max_tokens: int, kv, ignore_eos: bool = False,
                   sampling: SamplingParams | None = None, stop=None,
-                  logprobs: int | None = None) -> list[Generation]:
+                  logprobs: int | None = None, on_text=None) -> list[Generation]:
     """prompts: token id arrays (checked by the caller to fit the context); kv: the
     engine's PagedCache; stop, logprobs: as generate.generate takes them (checked by
     the caller), the same for every prompt. Every sequence's blocks are reserved
     before any work (all or nothing: a batch the cache cannot hold is one
-    MinferError, nothing changed)."""
+    MinferError, nothing changed). on_text: one prompt's text as it is produced."""
+    if on_text is not None and len(prompts) != 1:
+        raise ValueError("generate_many: on_text streams one prompt's text")
     runner = BatchRunner(engine, kv)
     seqs: list[Seq] = []
     try:
         for ids in prompts:
             seqs.append(runner.add(ids, max_tokens, ignore_eos=ignore_eos, sampling=sampling, stop=stop,
                                    logprobs=logprobs))
+        sent = 0
         while runner.running:
             runner.step()
+            if on_text is not None and len(seqs[0].pieces) > sent:
+                text = "".join(seqs[0].pieces[sent:])
+                sent = len(seqs[0].pieces)
+                if text:
+                    on_text(text)
         return [s.result() for s in seqs]
     finally:
         for s in seqs:

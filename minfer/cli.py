@@ -151,6 +151,7 @@ def cmd_generate(args) -> int:
     ids = prompt_ids(mf.tokenizer, prompt, chat=args.chat, system=system)
     check_fits(len(ids), mf.n_ctx)                      # before the weights are loaded
     engine = Engine.from_file(mf, args.backend, progress=not args.quiet)
+    engine.backend.set_deterministic(args.deterministic)
     if not args.no_warmup:
         engine.warmup()
     # --json: stdout is one JSON object at the end, nothing streamed before it
@@ -290,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="penalize the last 64 tokens (default 1: off)")
     smp.add_argument("--seed", type=int, default=0,
                      help="seed of the draws (default 0); the same seed, the same text")
+    g.add_argument("--deterministic", action="store_true",
+                   help="the text independent of how the prompt is batched, chunked or cached (a row's "
+                        "arithmetic fixed by what the row is: Engine.load's deterministic)")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip the warm-up run after load (short prefills and one decode step on a "
                         "throwaway cache, as llama.cpp's): the first prompt then pays the backend's "

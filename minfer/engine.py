@@ -112,7 +112,7 @@ class Engine:
     @classmethod
     def load(cls, path=None, backend: str = "auto", n_ctx: int | None = None,
              progress: bool = True, settings: dict | None = None, warmup: bool = True,
-             kv_tokens: int | None = None) -> "Engine":
+             kv_tokens: int | None = None, deterministic: bool = False) -> "Engine":
         """Open, check and load a GGUF model.
 
         path: the GGUF file (None: the default model, pulled if not cached).
@@ -126,6 +126,10 @@ class Engine:
         first call pays no one-time start-up of the backend.
         kv_tokens: positions of the paged KV cache that the calls share, and whose
         full blocks keep prefixes for later calls (default: KV_CONTEXTS contexts).
+        deterministic: a generation's bytes do not depend on the other prompts of its
+        call, on how its prompt was chunked, or on what the prefix cache held
+        (Backend.deterministic; every prompt, one or many, runs through
+        minfer/batched.py, whose decode rows then keep their blocks to themselves).
         """
         if path is None:
             from .pull import ensure_model
@@ -133,8 +137,11 @@ class Engine:
         if kv_tokens is not None and (isinstance(kv_tokens, bool) or not isinstance(kv_tokens, numbers.Integral)
                                       or kv_tokens < 1):
             raise MinferError(f"kv_tokens must be a positive number of positions, got {kv_tokens!r}")
+        if not isinstance(deterministic, bool):
+            raise MinferError(f"deterministic is True or False, got {deterministic!r}")
         engine = cls.from_file(ModelFile.open(path, n_ctx), backend, progress, settings)
         engine.kv_tokens = kv_tokens
+        engine.backend.set_deterministic(deterministic)
         if warmup:
             engine.warmup()
         return engine
@@ -249,6 +256,9 @@ class Engine:
                                  sampling=sampling, stop=stop, logprobs=logprobs)
         ids = self._prompt_ids(prompt, chat, system)
         check_fits(len(ids), self.n_ctx)
+        if self.backend.deterministic:          # the rows of one prompt as of many (batched.py)
+            return generate_many(self, [ids], int(max_tokens), self._front_cache()[0], ignore_eos=ignore_eos,
+                                 sampling=sampling, stop=stop, logprobs=logprobs, on_text=on_text)[0]
         with self._sequence(ids, min(len(ids) + int(max_tokens) + 1, self.n_ctx)) as (view, seq):
             out = complete(self, ids, max_tokens, ignore_eos=ignore_eos, on_text=on_text,
                            cache=view, sampling=sampling, start=seq.n_cached, stop=stop, logprobs=logprobs)
@@ -320,6 +330,13 @@ class Engine:
         prefills its whole prompt."""
         self._check_open()
         self._front_cache()[0].pool.reset_prefix_cache()
+
+    @property
+    def kv_cache(self) -> PagedCache:
+        """The paged KV cache every front-door call shares (made on first use): what a
+        caller that runs its own minfer.batched.BatchRunner (the server) steps over."""
+        self._check_open()
+        return self._front_cache()[0]
 
     def kv_stats(self) -> dict:
         """The front door's paged KV cache: blocks (all, used, cached, free) and the

@@ -30,6 +30,13 @@ def test_batch_layout():
     assert b.key_rows(1).tolist()[:2] == [64, 65] and len(b.key_rows(1)) == 66
 
 
+def test_a_decode_step_is_one_row_a_sequence_and_not_prompt_rows():
+    one = [Span(5, 1, (1,)), Span(9, 1, (2,))]
+    assert Batch(one).decode and Batch(one[:1]).decode                   # one sequence too
+    assert not Batch(one, prefill=True).decode and Batch(one, prefill=True).prefill
+    assert not Batch([Span(5, 2, (1,))]).decode
+
+
 @pytest.mark.parametrize("spans, match", [([], "empty batch"), ([Span(0, 0, (1,))], "at least one")])
 def test_bad_batches_are_one_line_errors(spans, match):
     with pytest.raises(MinferError, match=match) as e:

@@ -21,7 +21,7 @@ def _ids(e, text):
 @pytest.fixture
 def kv(smollm2_engine):
     smollm2_engine.reset_prefix_cache()
-    return smollm2_engine._front_cache()[0]
+    return smollm2_engine.kv_cache
 
 
 def test_prompts_chunked_under_the_budget_give_what_each_gives_alone(smollm2_engine, kv, monkeypatch):

@@ -137,6 +137,7 @@ def test_one_forward_batch_per_prefill_and_per_step(tiny_model, capsys, monkeypa
     (["-npp", "8", "-ntg", "4", "-d", "3"], "cannot be mixed with -d"),
     (["-npp", "8", "-ntg", "4", "--plot", "x.png"], "cannot be mixed with --plot"),
     (["-npp", "8", "-ntg", "4", "-r", "0"], "-r must be at least 1"),
+    (["-p", "16", "--deterministic"], "--deterministic is a batched-mode flag"),
 ])
 def test_bad_input_before_the_model_opens(tmp_path, capsys, argv, fragment):
     rc, out, err = _bench(capsys, "-m", tmp_path / "missing.gguf", *argv)
@@ -160,6 +161,14 @@ def test_a_cache_beyond_memory_fails_before_measuring(tiny_model, capsys, monkey
     rc, out, err = _bench(capsys, "-m", tiny_model, "-npp", "8", "-ntg", "4", "-npl", "1,100000000")
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("minfer: error: -npp 8 -ntg 4 -npl 100000000 does not fit:"), err
+
+
+def test_the_deterministic_mode_is_measured_and_recorded(tiny_model, capsys):
+    rc, out, err = _bench(capsys, "-m", tiny_model, "-npp", "8", "-ntg", "2", "-npl", "2", "-r", "1",
+                          "--deterministic", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["deterministic"] is True and len(r["rows"]) == 1
 
 
 def test_the_pp_tg_bench_keeps_its_defaults(tiny_model, capsys):

@@ -84,6 +84,25 @@ def test_gemm_path_table(T, name, qtype, has_plane, settings, want):
     assert p.reads_plane == (want[2] == "q6k exp")
 
 
+def test_gemm_path_in_the_deterministic_mode():
+    """What a row is decides its engine, never how many rows there are: decode rows
+    (a step's, or a plain forward's one row) and the LM head the matvec at every
+    count, prompt rows the f16 engine at every count, one included."""
+    s = CudaSettings(deterministic=True)
+    q4, q6 = _w("blk.0.ffn_up.weight", QT.Q4_K), _w("blk.0.ffn_down.weight", QT.Q6_K)
+    head, q5 = _w("output.weight", QT.Q6_K), _w("blk.0.ffn_up.weight", QT.Q5_K)
+    for T in (1, 2, 8, 16, 33, 200):
+        for w, p in ((q4, "q4k"), (q5, "q5k"), (q6, "q6k")):
+            assert gemm_path(T, w, s, True, decode_rows=True).counter == f"{p}_mv"
+            assert gemm_path(T, w, s, True, prompt_rows=True).counter == f"{p}_f16"
+        assert gemm_path(T, head, s, True, decode_rows=True).counter == "q6k_mv"
+        assert gemm_path(T, head, s, True, prompt_rows=True).counter == "q6k_mv"
+        assert gemm_path(T, head, s, True).counter == "q6k_mv"
+    assert gemm_path(1, q4, s, False).counter == "q4k_mv"                   # a plain decode step
+    assert gemm_path(3, q4, s, False).counter == "q4k_f16"                  # a plain prompt
+    assert gemm_path(1, q6, s, True, prompt_rows=True).labels == ("q6k_f16", "q6k exp")
+
+
 def test_gemm_path_of_a_decode_step_of_several_sequences():
     """A decode step of 2 to decode_mma_rows sequences takes mmq_rows for q4_K / q6_K;
     one sequence, and other types up to decode_matvec_rows, the matvec of B rows; a

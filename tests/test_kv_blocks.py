@@ -48,6 +48,21 @@ def test_short_prompt_matches_nothing_and_registers_once_a_block_fills():
     assert other.table == [0] and other.n_cached == 4 and pool.refcount(0) == 2
 
 
+def test_rows_appended_unshared_register_no_block_from_there_on():
+    """append(share=False) (the deterministic mode's decode rows): the block they
+    complete and every later one stay out of the prefix cache; the prompt's full
+    blocks before them are found as usual."""
+    pool = BlockPool(8, BT)
+    seq = _admit(pool, [1, 2, 3, 4, 5, 6])                   # one full block registered
+    assert pool.n_cached() == 1
+    seq.reserve(12)
+    seq.append([7, 8], share=False)                          # completes block 1: not registered
+    seq.append([9, 10, 11, 12])                              # block 2, after them: not either
+    assert pool.n_cached() == 1 and seq.n_cached == 12
+    other = SeqBlocks(pool, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
+    assert other.n_cached == 4 and other.table == seq.table[:1]
+
+
 def test_prompt_of_exactly_k_blocks_matches_k_minus_1():
     pool = BlockPool(8, BT)
     first = _admit(pool, list(range(8)))

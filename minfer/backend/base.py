@@ -40,6 +40,17 @@ class Backend(ABC):
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.rope_factors = None            # rope_freqs.weight (hd/2,) float32 host, or None
+        self._deterministic = False
+
+    @property
+    def deterministic(self) -> bool:
+        """The deterministic mode: a row's arithmetic is fixed by what the row is (a
+        prompt's or a decode step's), never by how many rows share its forward, how a
+        prompt was chunked, or which other sequences run beside it."""
+        return self._deterministic
+
+    def set_deterministic(self, on: bool) -> None:
+        self._deterministic = bool(on)
 
     def set_rope_factors(self, factors) -> None:
         """RoPE's per-pair frequency divisors (minfer/rope.py), float32 host (hd/2,) or

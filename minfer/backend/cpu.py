@@ -180,7 +180,12 @@ class CPUBackend(Backend):
         """x (T, n_in) @ W (n_out, n_in)^T [+ bias (n_out,)] [residual + ] -> (T, n_out)"""
         if isinstance(w, QuantTable):       # tied LM head, or weights kept quantized
             w = w.dense(keep=not self.keep_quantized)
-        y = x @ w.T
+        if self.deterministic:              # one row at a time: a row's sums whatever T (the
+            y = np.empty((x.shape[0], w.shape[0]), np.float32)   # BLAS's order may follow it)
+            for i in range(x.shape[0]):
+                y[i] = x[i] @ w.T
+        else:
+            y = x @ w.T
         if bias is not None:
             y += bias
         return y if residual is None else residual + y
@@ -242,6 +247,18 @@ class CPUBackend(Backend):
         return out
 
     def _attend(self, q, K, V, pos0: int):
+        """_attend_rows: every query row over its keys; in the deterministic mode one
+        row at a time over exactly the keys it sees (the products' and the softmax
+        sums' order would follow the rows and keys beside it)."""
+        if not self.deterministic:
+            return self._attend_rows(q, K, V, pos0)
+        out = np.empty((q.shape[0], self.cfg.n_head * self.cfg.head_dim), np.float32)
+        for t in range(q.shape[0]):
+            n = pos0 + t + 1                                  # keys 0..pos0+t
+            out[t] = self._attend_rows(q[t:t + 1], K[:n], V[:n], pos0 + t)[0]
+        return out
+
+    def _attend_rows(self, q, K, V, pos0: int):
         """q (T, n_head, hd) at positions pos0.., K, V (pos0 + T, n_kv, hd): positions
         0..pos0+T-1 -> (T, n_head*hd), query t seeing keys 0..pos0+t"""
         cfg = self.cfg

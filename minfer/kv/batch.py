@@ -31,9 +31,12 @@ class Span:
 class Batch:
     """spans -> the forward's row layout. logits_from: None for each sequence's last
     row (generation), k for each sequence's rows k.. (0: every row, scoring; n/2:
-    perplexity's scored half), as Transformer.forward takes it."""
+    perplexity's scored half), as Transformer.forward takes it. prefill: every row
+    is a prompt's (a backend in the deterministic mode runs such rows on the prompt
+    rows' kernels, even one a sequence)."""
 
-    def __init__(self, spans, logits_from: int | None = None, block_tokens: int = BLOCK_TOKENS):
+    def __init__(self, spans, logits_from: int | None = None, block_tokens: int = BLOCK_TOKENS,
+                 prefill: bool = False):
         spans = [s if isinstance(s, Span) else Span(int(s[0]), int(s[1]), tuple(int(b) for b in s[2]))
                  for s in spans]
         if not spans:
@@ -49,6 +52,7 @@ class Batch:
                 raise ValueError(f"batch: sequence {i}'s {len(s.table)} blocks do not cover "
                                  f"positions up to {s.pos0 + s.n}")
         self.spans, self.block_tokens, self.logits_from = spans, block_tokens, logits_from
+        self.prefill = bool(prefill)
         n = np.array([s.n for s in spans], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)     # (n_seq + 1,)
         self.n_rows = int(self.starts[-1])
@@ -71,8 +75,8 @@ class Batch:
     def decode(self) -> bool:
         """A decode step: one new row per sequence (one sequence or many: a row's
         kernels are the same either way, so a sequence's step does not change when
-        its neighbours finish)."""
-        return self.n_rows == self.n_seq
+        its neighbours finish), not rows of prompts."""
+        return self.n_rows == self.n_seq and not self.prefill
 
     def table_matrix(self) -> np.ndarray:
         """(n_seq, max blocks) int32: each sequence's table, padded with its own last

@@ -44,6 +44,7 @@ class SeqBlocks:
         self.tokens: list[int] = prompt[:len(self.table) * pool.block_tokens]   # K/V in the cache
         self._hashes = block_hashes(self.tokens, pool.block_tokens)             # of tokens' full blocks
         self._freed = False
+        self._shared = True             # its blocks may still be registered (append's share)
 
     @property
     def n_cached(self) -> int:
@@ -59,11 +60,14 @@ class SeqBlocks:
         if need > 0:
             self.table += self.pool.allocate(need)
 
-    def append(self, ids) -> None:
+    def append(self, ids, share: bool = True) -> None:
         """Record that the K/V of ids, at positions n_cached.., are now written (see the
         module docstring for which tokens those are during decode); every block they
-        fill is registered in the pool's prefix cache."""
+        fill is registered in the pool's prefix cache. share=False: these rows are not
+        to be found by other prompts, nor is any block from here on (the deterministic
+        mode's decode rows, computed by other kernels than a prompt's rows would be)."""
         self._live()
+        self._shared = self._shared and share
         ids = [int(t) for t in token_array(ids)]
         bt = self.pool.block_tokens
         if len(self.tokens) + len(ids) > len(self.table) * bt:
@@ -74,7 +78,7 @@ class SeqBlocks:
         for i in range(start, len(self.tokens) // bt):
             parent = self._hashes[-1] if self._hashes else b""
             self._hashes.append(chain_hash(parent, np.asarray(self.tokens[i * bt:(i + 1) * bt])))
-        if len(self._hashes) > start:
+        if len(self._hashes) > start and self._shared:
             self.pool.register_hashes(self.table[start:len(self._hashes)], self._hashes[start:])
 
     def slots(self, start: int, stop: int) -> np.ndarray:

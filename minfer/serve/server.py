@@ -55,8 +55,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds running requests get to finish (default 30)")
     p.add_argument("--deterministic", action="store_true",
-                   help="every request's text independent of the others in its batch: not built yet "
-                        "(an error)")
+                   help="every request's text independent of the others in its batch, of how its prompt "
+                        "is chunked and of the prefix cache (Engine.load's deterministic)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up after load")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress bar and no line naming the backend auto chose")
@@ -75,9 +75,6 @@ def parse_size(text: str) -> int:
 
 def check_args(args) -> None:
     """Every flag checked before anything is bound or loaded."""
-    if args.deterministic:
-        raise MinferError("--deterministic is not built yet: a request's text may still depend on the "
-                          "batch it runs in (float rounding of the batched products); run without it")
     for name, v, lo in (("--parallel", args.parallel, 1), ("--batch-size", args.batch_size, 1),
                         ("--max-queue", args.max_queue, 0)):
         if v < lo:
@@ -142,6 +139,7 @@ def main(args) -> int:
     path = model_path(args.model)
     mf = ModelFile.open(path, args.ctx_size)
     engine = Engine.from_file(mf, args.backend, progress=not args.quiet)
+    engine.backend.set_deterministic(args.deterministic)
     if args.kv_memory is not None:
         probe = engine.backend.new_cache(64)
         per_pos = (probe.k.nbytes + probe.v.nbytes) // 64       # bytes of one position, all layers
@@ -151,7 +149,7 @@ def main(args) -> int:
         engine.kv_tokens = args.parallel * engine.n_ctx
     if not args.no_warmup:
         engine.warmup()
-    kv = engine._front_cache()[0]           # the paged cache the engine's calls share: the server owns them
+    kv = engine.kv_cache                    # the paged cache the engine's calls share: the server owns them
     metrics = Metrics()
     sched = Scheduler(engine, kv, args.parallel, args.max_queue, args.batch_size, metrics)
     metrics.gauge("queue_depth", "requests waiting for a slot", sched.queue_depth)

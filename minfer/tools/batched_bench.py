@@ -67,6 +67,8 @@ def add_arguments(p) -> None:
                    help="comma-separated decode steps per sequence, e.g. 128")
     g.add_argument("-npl", dest="n_pl", metavar="B", default=None,
                    help="comma-separated sequences decoded at once, e.g. 1,8,32 (default 1)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="in the deterministic mode (a row's arithmetic fixed by what the row is): its cost")
 
 
 def requested(args) -> bool:
@@ -131,7 +133,7 @@ def row(pp: int, tg: int, b: int, t_pp: float, t_tg: float) -> dict:
             "t_tg": t_tg, "s_tg": b * tg / t_tg, "t": t, "s": n_kv / t}
 
 
-def run(model, tests, reps: int, backend: str, seed: int = 0) -> dict:
+def run(model, tests, reps: int, backend: str, seed: int = 0, deterministic: bool = False) -> dict:
     from ..engine import Engine, ModelFile
 
     check_counts(reps, 0)
@@ -142,6 +144,7 @@ def run(model, tests, reps: int, backend: str, seed: int = 0) -> dict:
     check_context(tests, mf.cfg.n_ctx_train)                     # before the weights load
     engine = Engine.from_file(mf, backend, progress=True)        # no front-door cache, no warm-up: ours below
     be = engine.backend
+    be.set_deterministic(deterministic)
     be.synchronize()
     load_s = time.perf_counter() - t0
     largest = max(tests, key=lambda t: kv_blocks(*t))
@@ -187,6 +190,7 @@ def run(model, tests, reps: int, backend: str, seed: int = 0) -> dict:
         "params": int(sum(t.n_elements for t in gf.tensors.values())),
         "backend": be.name,
         "seed": seed,
+        "deterministic": deterministic,
         "n_ctx": n_ctx,
         "load_s": load_s,
         "reps": reps,
@@ -255,7 +259,7 @@ def main(args) -> int:
     from ..cli import model_path
     tests = parse_tests(args)
     check_counts(args.reps, 0)                   # bad input: before a first-use download
-    r = run(model_path(args.model), tests, args.reps, args.backend, args.seed)
+    r = run(model_path(args.model), tests, args.reps, args.backend, args.seed, args.deterministic)
     print(FORMATS[args.output](r))
     problem = (r.get("memory_check") or {}).get("problem")
     if problem:

@@ -305,6 +305,8 @@ def main(args) -> int:
     from . import batched_bench
     if batched_bench.requested(args):      # -npp/-ntg/-npl: llama-batched-bench's mode
         return batched_bench.main(args)
+    if args.deterministic:
+        raise MinferError("--deterministic is a batched-mode flag: give -npp, -ntg and -npl with it")
     if args.plot:
         from .plot import check_plot_target
         check_plot_target(args.plot)        # now, not after minutes of measuring

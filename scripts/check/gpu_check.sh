@@ -257,6 +257,22 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
                 [ $rc = 0 ] && [ -n "$v" ] && record "7b-ppl-b$b" ok "$v" || record "7b-ppl-b$b" FAIL "rc=$rc"
             done
             rm -f "$LOG/ppl.txt"
+            # the deterministic mode's cost: the same batched bench in it (each row's engine fixed
+            # by what the row is), and its decode steps against the default's, interleaved
+            timeout 300 python3 -m minfer bench -m "$TWIN" -npp 128,512 -ntg 128 -npl 1,8,32 -r ${BATCH_REPS:-3} \
+                --deterministic >"$LOG/bb.txt" 2>&1
+            rc=$?
+            cat "$LOG/bb.txt" >>"$LOG/bench.log"
+            for pb in "128 32" "512 8" "512 32"; do
+                set -- $pb
+                v=$(awk -F'|' -v pp=$1 -v b=$2 '$2+0 == pp && $4+0 == b {printf "S_PP %s S_TG %s", $7, $9}' "$LOG/bb.txt" | tr -s ' ')
+                [ $rc = 0 ] && [ -n "$v" ] && record "7b-det-${1}x${2}" ok "$v t/s" || record "7b-det-${1}x${2}" FAIL "rc=$rc"
+            done
+            rm -f "$LOG/bb.txt"
+            for B in 8 32; do
+                ab_step "ab-deterministic-b$B" -p 512 --batch $B --steps 32 -r ${AB_REPS:-5} \
+                    --a deterministic=1 --b deterministic=0
+            done
             # a decode step of B sequences: mmq_rows (tensor cores) against the dp4a matvec
             # of B rows up to 8 and the f16 engine beyond (settings.decode_mma_rows=0);
             # at B = 1 against the one-row matvec that a lone generation's step runs

@@ -24,7 +24,6 @@ def _serve_cli(*args, timeout=60):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["--deterministic"], "--deterministic is not built yet"),
     (["--parallel", "0"], "--parallel must be at least 1"),
     (["--port", "70000"], "--port must be in"),
     (["--kv-memory", "lots"], "--kv-memory 'lots'"),

@@ -57,7 +57,8 @@ class AttentionBlock:
             return lin.linear_q8(q8, wo, residual=x)
         # (a decode step on other engines takes the third way: its linears add the
         # biases, and the decode attention rotates, stores and attends each row)
-        if T > 1 and f16_cache and lin.all_f16(x, qkv) and not (isinstance(pos0, Batch) and pos0.decode):
+        prompt = T > 1 or (isinstance(pos0, Batch) and pos0.prefill)     # (one prompt row: deterministic mode)
+        if prompt and f16_cache and lin.all_f16(x, qkv) and not (isinstance(pos0, Batch) and pos0.decode):
             q, k, v = lin.norm_linears(x, L.attn_norm, cfg.rms_eps, qkv, (None, None, None), views=True)
             o_f16 = lin.path(T, wo).engine == "f16" and wo.n_in == n_q
             a = self._rope_attention_f16(*self._heads(T, q, k, v), cache, layer, pos0,

@@ -67,6 +67,15 @@ class CUDABackend(Backend):
     def settings(self) -> CudaSettings:
         return self.parts.settings
 
+    @property
+    def deterministic(self) -> bool:
+        return self.parts.settings.deterministic
+
+    def set_deterministic(self, on: bool) -> None:
+        """The deterministic mode is a setting (paths.gemm_path reads it; a captured
+        graph's key holds it)."""
+        self.parts.settings = self.parts.settings.replace(deterministic=bool(on))
+
     @contextlib.contextmanager
     def using(self, **changes):
         """Run with some settings replaced (tests, A/B scripts), restored afterwards.
@@ -187,12 +196,12 @@ class CUDABackend(Backend):
 
     @contextlib.contextmanager
     def batch_rows(self, batch):
-        old = self.state.decode_rows
-        self.state.decode_rows = batch.decode
+        old = self.state.decode_rows, self.state.prompt_rows
+        self.state.decode_rows, self.state.prompt_rows = batch.decode, batch.prefill
         try:
             yield
         finally:
-            self.state.decode_rows = old
+            self.state.decode_rows, self.state.prompt_rows = old
 
     # --- CUDA graphs ---------------------------------------------------------
     def captured(self, cache, key, fn, x):

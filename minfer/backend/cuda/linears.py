@@ -27,7 +27,7 @@ class Linears:
 
     def path(self, T: int, w: GpuWeight) -> GemmPath:
         return gemm_path(T, w, self._settings(), self.store.plane_of(w) is not None,
-                         self.store.f16_of(w) is not None, self.state.decode_rows)
+                         self.store.f16_of(w) is not None, self.state.decode_rows, self.state.prompt_rows)
 
     def ran(self, T: int, w: GpuWeight) -> GemmPath:
         """Count W's product of T rows on its path -> the path."""

@@ -21,6 +21,10 @@ Each rule says why in one line and names the script that re-measures it
                                   accumulation; with settings.f16_weights
                                   the f16 copy kept since load instead
 
+In the deterministic mode (settings.deterministic) the rule is what the row is:
+decode rows and the LM head the matvec (of B rows), prompt rows the f16 engine at
+every count (_deterministic_path).
+
 A q6_K product on the f16 or MMQ engine also names where its B operand comes from
 (GemmPath.b_source, the W_exp bundle's liveness labels): `q6k exp` (the plane: the
 fast path), `q6k exp=off` (planes deliberately off), `q6k fallback!` (a plane was
@@ -71,17 +75,19 @@ class GemmPath:
 
 
 def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
-              has_f16: bool = False, decode_rows: bool = False) -> GemmPath:
+              has_f16: bool = False, decode_rows: bool = False, prompt_rows: bool = False) -> GemmPath:
     """The path of x (T, n_in) @ w^T, from the token count, the weight (type, table or
     not, covered by the W_exp bundle or not), the settings, whether a plane is
     registered for it, whether an f16 copy is kept, and whether the rows are a
-    decode step's (one row per sequence)."""
+    decode step's (one row per sequence) or prompts' (a Batch of prefill rows)."""
     if w.qtype == QT.F32:
         return GemmPath("f32", "f32_gemm", None)
     if w.qtype not in PREFIX:
         raise MinferError(f"linear {w.name}: {w.qtype.name} weights are not supported by "
                           f"the CUDA backend ({', '.join(t.name for t in PREFIX)}, F32)")
     prefix = PREFIX[w.qtype]
+    if settings.deterministic:
+        return _deterministic_path(T, w, prefix, settings, has_plane, has_f16, decode_rows, prompt_rows)
     # a decode step of a few sequences: tensor-core products that read each weight
     # once per 32 rows, a row's sums one sequence whatever B; measured faster than
     # the dp4a matvec of B rows from a few rows on, slower at one (settings.py)
@@ -102,7 +108,25 @@ def gemm_path(T: int, w: GpuWeight, settings: CudaSettings, has_plane: bool,
     # scripts/bench/ab.py --batch B --a decode_mmq=1 --b decode_mmq=0 re-measures it.
     mmq = w.qtype in MMQ_TYPES and (T < settings.f16_min_t or w.table
                                     or (decode_rows and settings.decode_mmq and not has_f16))
-    engine = "mmq" if mmq else "f16"
+    return _gemm(w, prefix, "mmq" if mmq else "f16", settings, has_plane, has_f16)
+
+
+def _deterministic_path(T: int, w: GpuWeight, prefix: str, settings: CudaSettings, has_plane: bool,
+                        has_f16: bool, decode_rows: bool, prompt_rows: bool) -> GemmPath:
+    """The deterministic mode: a row's engine follows from what the row is, never from
+    how many rows share the forward. Decode rows (a step's, or the one row of a plain
+    forward, which is a decode step's) and the LM head take the matvec, whose rows of
+    B give each row its one-row bits; prompt rows take the f16 engine at every count,
+    one row included (its GEMMs take no split-K, so a row's sums should not depend
+    on the others: tests/gpu/test_deterministic.py is the check)."""
+    if w.table or decode_rows or (T == 1 and not prompt_rows):
+        return GemmPath("matvec", f"{prefix}_mv", None)
+    return _gemm(w, prefix, "f16", settings, has_plane, has_f16)
+
+
+def _gemm(w: GpuWeight, prefix: str, engine: str, settings: CudaSettings, has_plane: bool,
+          has_f16: bool) -> GemmPath:
+    """A GEMM engine's path, with the B source of a q6_K weight."""
     source = None
     if w.qtype == QT.Q6_K:
         if engine == "f16" and has_f16:

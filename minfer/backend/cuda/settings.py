@@ -72,6 +72,7 @@ class CudaSettings:
     decode_matvec_rows: int = DECODE_MATVEC_ROWS  # ... of up to this many (other types): the matvec
     decode_mmq: bool = False       # a longer decode step on the int8 MMQ (else the f16 engine)
     dependent_launches: bool = True  # programmatic dependent launches in captured graphs (dependent.py)
+    deterministic: bool = False    # every row's engine fixed by what the row is (paths.gemm_path)
     force_exp_miss: bool = False   # every W_exp registration fails (the `q6k fallback!` path)
 
     @classmethod

@@ -36,6 +36,7 @@ class RunState:
         # the forward running now is a decode step of several sequences (one row each):
         # paths.gemm_path gives such rows their own engine (CUDABackend.batch_rows)
         self.decode_rows = False
+        self.prompt_rows = False                 # ... or a Batch of prompt rows (Batch.prefill)
 
     def q8(self, slot: int, T: int, n: int):
         """q8_1 buffers for x (T, n) in one of two slots (a decode step's FFN reads
