@@ -236,17 +236,22 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             fi
         fi
         if [ "${BATCH_7B:-1}" = 1 ]; then        # many sequences per forward (BATCH_7B=0 skips it)
-            # llama-batched-bench's table: 32 x 128 and 8 x 512 prefilled in one forward, decode at B 1/8/32
-            timeout 300 python3 -m minfer bench -m "$TWIN" -npp 128,512 -ntg 128 -npl 1,8,32 -r ${BATCH_REPS:-3} \
-                >"$LOG/bb.txt" 2>&1
-            rc=$?
-            cat "$LOG/bb.txt" >>"$LOG/bench.log"
-            for pb in "128 32" "512 8" "512 32"; do
-                set -- $pb
-                v=$(awk -F'|' -v pp=$1 -v b=$2 '$2+0 == pp && $4+0 == b {printf "S_PP %s S_TG %s", $7, $9}' "$LOG/bb.txt" | tr -s ' ')
-                [ $rc = 0 ] && [ -n "$v" ] && record "7b-batch-${1}x${2}" ok "$v t/s" || record "7b-batch-${1}x${2}" FAIL "rc=$rc"
-            done
-            rm -f "$LOG/bb.txt"
+            # batch_bench NAME [FLAGS...]: llama-batched-bench's table (32 x 128 and 8 x 512 prefilled
+            # in one forward, decode at B 1/8/32), logged, its S_PP / S_TG recorded as NAME-PPxB
+            batch_bench() {
+                local name=$1; shift
+                timeout 300 python3 -m minfer bench -m "$TWIN" -npp 128,512 -ntg 128 -npl 1,8,32 \
+                    -r ${BATCH_REPS:-3} "$@" >"$LOG/bb.txt" 2>&1
+                local rc=$?
+                cat "$LOG/bb.txt" >>"$LOG/bench.log"
+                for pb in "128 32" "512 8" "512 32"; do
+                    set -- $pb
+                    v=$(awk -F'|' -v pp=$1 -v b=$2 '$2+0 == pp && $4+0 == b {printf "S_PP %s S_TG %s", $7, $9}' "$LOG/bb.txt" | tr -s ' ')
+                    [ $rc = 0 ] && [ -n "$v" ] && record "$name-${1}x${2}" ok "$v t/s" || record "$name-${1}x${2}" FAIL "rc=$rc"
+                done
+                rm -f "$LOG/bb.txt"
+            }
+            batch_bench 7b-batch
             # perplexity's forwards: four 512-token chunks a forward (-b 2048, the default) against one
             for b in 512 2048; do
                 timeout 200 python3 -m minfer perplexity -m "$TWIN" -f tests/fixtures/perplexity_gpl3.txt \
@@ -259,16 +264,7 @@ if [ "${BENCH_7B:-0}" = 1 ]; then
             rm -f "$LOG/ppl.txt"
             # the deterministic mode's cost: the same batched bench in it (each row's engine fixed
             # by what the row is), and its decode steps against the default's, interleaved
-            timeout 300 python3 -m minfer bench -m "$TWIN" -npp 128,512 -ntg 128 -npl 1,8,32 -r ${BATCH_REPS:-3} \
-                --deterministic >"$LOG/bb.txt" 2>&1
-            rc=$?
-            cat "$LOG/bb.txt" >>"$LOG/bench.log"
-            for pb in "128 32" "512 8" "512 32"; do
-                set -- $pb
-                v=$(awk -F'|' -v pp=$1 -v b=$2 '$2+0 == pp && $4+0 == b {printf "S_PP %s S_TG %s", $7, $9}' "$LOG/bb.txt" | tr -s ' ')
-                [ $rc = 0 ] && [ -n "$v" ] && record "7b-det-${1}x${2}" ok "$v t/s" || record "7b-det-${1}x${2}" FAIL "rc=$rc"
-            done
-            rm -f "$LOG/bb.txt"
+            batch_bench 7b-det --deterministic
             for B in 8 32; do
                 ab_step "ab-deterministic-b$B" -p 512 --batch $B --steps 32 -r ${AB_REPS:-5} \
                     --a deterministic=1 --b deterministic=0
