@@ -214,15 +214,17 @@ class BatchRunner:
 
 def generate_many(engine, prompts: list[np.ndarray], max_tokens: int, kv, ignore_eos: bool = False,
                   sampling: SamplingParams | None = None, stop=None,
-                  logprobs: int | None = None, on_text=None) -> list[Generation]:
+                  logprobs: int | None = None, on_text=None,
+                  token_budget: int = MAX_PREFILL_ROWS) -> list[Generation]:
     """prompts: token id arrays (checked by the caller to fit the context); kv: the
     engine's PagedCache; stop, logprobs: as generate.generate takes them (checked by
     the caller), the same for every prompt. Every sequence's blocks are reserved
     before any work (all or nothing: a batch the cache cannot hold is one
-    MinferError, nothing changed). on_text: one prompt's text as it is produced."""
+    MinferError, nothing changed). on_text: one prompt's text as it is produced;
+    token_budget: the rows of one step (BatchRunner's: a smaller one chunks prompts)."""
     if on_text is not None and len(prompts) != 1:
         raise ValueError("generate_many: on_text streams one prompt's text")
-    runner = BatchRunner(engine, kv)
+    runner = BatchRunner(engine, kv, token_budget)
     seqs: list[Seq] = []
     try:
         for ids in prompts:

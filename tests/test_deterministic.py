@@ -37,13 +37,9 @@ def _same(a, b) -> None:
 
 
 def _chunked(engine, prompts, budget: int, **kw):
-    """Every prompt through one BatchRunner whose steps take at most `budget` rows."""
-    from minfer.batched import BatchRunner
-    runner = BatchRunner(engine, engine.kv_cache, token_budget=budget)
-    seqs = [runner.add(p, N_NEW, **kw) for p in prompts]
-    while runner.running:
-        runner.step()
-    return [s.result() for s in seqs]
+    """Every prompt in one batch whose steps take at most `budget` rows."""
+    from minfer.batched import generate_many
+    return generate_many(engine, prompts, N_NEW, engine.kv_cache, token_budget=budget, **kw)
 
 
 def test_the_mode_is_set_and_checked(det, smollm2_path):

@@ -35,12 +35,9 @@ def prompts(det):
 
 
 def _chunked(engine, prompts, budget: int, **kw):
-    from minfer.batched import BatchRunner
-    runner = BatchRunner(engine, engine.kv_cache, token_budget=budget)
-    seqs = [runner.add(p, N_NEW, **kw) for p in prompts]
-    while runner.running:
-        runner.step()
-    return [s.result() for s in seqs]
+    """Every prompt in one batch whose steps take at most `budget` rows."""
+    from minfer.batched import generate_many
+    return generate_many(engine, prompts, N_NEW, engine.kv_cache, token_budget=budget, **kw)
 
 
 @pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=5)],
